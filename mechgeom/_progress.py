@@ -12,7 +12,9 @@ T = TypeVar("T")
 __all__ = ["progress"]
 
 
-def progress(iterable: Iterable[T], *, desc: str, enabled: bool = True, total: int | None = None) -> Iterable[T]:
+def progress(
+    iterable: Iterable[T], *, desc: str, enabled: bool = True, total: int | None = None
+) -> Iterable[T]:
     """Wrap ``iterable`` in a ``tqdm.auto`` bar, or return it unchanged when ``enabled`` is False.
 
     >>> list(progress(range(3), desc="demo", enabled=False))

@@ -65,7 +65,10 @@ def corpus_texts(corpus: str) -> list[str]:
             docs[-1].append(line)
         return ["\n".join(d).strip() for d in docs if "".join(d).strip()]
     if corpus == "gsm8k":
-        return [f"Question: {r['question']}\nAnswer: {r['answer']}" for r in _read_jsonl(root / "gsm8k_test.jsonl")]
+        return [
+            f"Question: {r['question']}\nAnswer: {r['answer']}"
+            for r in _read_jsonl(root / "gsm8k_test.jsonl")
+        ]
     if corpus == "c4":
         return [r["text"] for r in _read_jsonl(root / "c4_en_sample450.jsonl")]
     raise ValueError(f"unknown corpus {corpus!r}; choose from {list(CORPORA)}")
@@ -153,7 +156,9 @@ def _mmlu_items() -> list[TaskItem]:
                     f"The following is a multiple choice question about {subject.replace('_', ' ')}.\n\n"
                     f"{q}\nA. {a}\nB. {b}\nC. {c}\nD. {d}\nAnswer:"
                 )
-                items.append(TaskItem("mmlu", prompt, (" A", " B", " C", " D"), "ABCD".index(gold.strip()), subject))
+                items.append(
+                    TaskItem("mmlu", prompt, (" A", " B", " C", " D"), "ABCD".index(gold.strip()), subject)
+                )
     return items
 
 
@@ -169,7 +174,12 @@ def load_task(task: str, *, n: int | None = 100, seed: int = 0) -> list[TaskItem
     items: list[TaskItem]
     if task == "boolq":
         items = [
-            TaskItem("boolq", f"{r['passage']}\nQuestion: {r['question']}?\nAnswer:", (" no", " yes"), int(r["label"]))
+            TaskItem(
+                "boolq",
+                f"{r['passage']}\nQuestion: {r['question']}?\nAnswer:",
+                (" no", " yes"),
+                int(r["label"]),
+            )
             for r in _read_jsonl(root / "boolq_dev_sample1000.jsonl")
         ]
     elif task == "winogrande":

@@ -54,7 +54,12 @@ Backend = Literal["hooked", "bridge"]
 
 #: Version of the cache layout; bump to invalidate every cached entry.
 _CACHE_FORMAT = 2
-_PROCESSING = {"fold_ln": True, "center_writing_weights": True, "center_unembed": True, "fold_value_biases": True}
+_PROCESSING = {
+    "fold_ln": True,
+    "center_writing_weights": True,
+    "center_unembed": True,
+    "fold_value_biases": True,
+}
 
 
 @dataclass(frozen=True)
@@ -162,20 +167,26 @@ def _sha256(path: Path) -> str:
 
 
 @contextlib.contextmanager
-def _quiet() -> Iterator[None]:
-    """Silence transformers' GGUF progress bars and TransformerLens' deprecation notices."""
+def _quiet(verbose: bool = False) -> Iterator[None]:
+    """Silence transformers' GGUF progress bar and TransformerLens' deprecation notices (unless verbose)."""
+    import functools
+
     import transformers
+    import transformers.modeling_gguf_pytorch_utils as gguf_utils
 
     verbosity = transformers.logging.get_verbosity()
-    transformers.logging.set_verbosity_error()
-    transformers.logging.disable_progress_bar()
+    bar = gguf_utils.tqdm
+    if not verbose:
+        transformers.logging.set_verbosity_error()
+        gguf_utils.tqdm = functools.partial(bar, disable=True)  # type: ignore[assignment]
     try:
         with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
+            if not verbose:
+                warnings.simplefilter("ignore")
             yield
     finally:
         transformers.logging.set_verbosity(verbosity)
-        transformers.logging.enable_progress_bar()
+        gguf_utils.tqdm = bar
 
 
 def load_hf_model(name: str = "smollm2-135m", dtype: torch.dtype = torch.float32) -> tuple[Any, Any]:
@@ -193,7 +204,7 @@ def load_hf_model(name: str = "smollm2-135m", dtype: torch.dtype = torch.float32
         hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype)
     if hasattr(hf.config, "quantization_config"):
         del hf.config.quantization_config
-    hf.hf_quantizer = None
+    hf.hf_quantizer = None  # type: ignore[assignment]
     hf.config.architectures = [spec.architecture]
     hf.eval()
     return hf, tokenizer
@@ -238,7 +249,15 @@ def _convert(name: str, hf: Any, tokenizer: Any, dtype: torch.dtype) -> HookedTr
             model.load_and_process_state_dict(convert_llama_weights(hf, cfg), **_PROCESSING)
         else:
             model = HookedTransformer.from_pretrained(
-                "google/gemma-3-270m", hf_model=hf, tokenizer=tokenizer, dtype=dtype, device="cpu", **_PROCESSING
+                "google/gemma-3-270m",
+                hf_model=hf,
+                tokenizer=tokenizer,
+                dtype=dtype,
+                device="cpu",
+                fold_ln=True,
+                center_writing_weights=True,
+                center_unembed=True,
+                fold_value_biases=True,
             )
     return model
 
@@ -369,7 +388,7 @@ def load_model(
         if use_cache:
             _save_cache(model, model.tokenizer, sd_path, tok_path, sha)
     model.eval()
-    return model.to(device)
+    return model.to(device, print_details=False)
 
 
 def b_O(model: Any, layer: int) -> torch.Tensor:

@@ -17,6 +17,7 @@ from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
 __all__ = [
+    "WO",
     "Bool",
     "Float",
     "HeadOut",
@@ -29,7 +30,6 @@ __all__ = [
     "Tensor",
     "Tokens",
     "Values",
-    "WO",
     "Z",
 ]
 

