@@ -269,7 +269,7 @@ def _cache_paths(name: str, sha: str, dtype: torch.dtype) -> tuple[Path, Path]:
 
 
 def _cfg_to_json(cfg: HookedTransformerConfig) -> dict[str, Any]:
-    d = cfg.to_dict()
+    d = dict(cfg.to_dict())  # to_dict() may hand back the live __dict__: never mutate it
     d["dtype"] = str(d["dtype"]).removeprefix("torch.")
     d.pop("device", None)
     d.pop("n_devices", None)

@@ -81,6 +81,8 @@ def test_cache_round_trip_is_exact_and_corruption_rebuilds(monkeypatch, tmp_path
         rebuilt = load_model("smollm2-135m")
     assert any("rebuilding" in str(w.message) for w in caught)
     assert all(torch.equal(rebuilt.state_dict()[k], ref[k]) for k in ref)
+    tokens = smollm2.to_tokens("A cold build must run too.")
+    assert torch.equal(rebuilt(tokens), smollm2(tokens))
     # and the rebuilt entry is readable again, silently
     with warnings.catch_warnings():
         warnings.simplefilter("error")

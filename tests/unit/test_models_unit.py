@@ -60,6 +60,14 @@ def test_config_json_round_trip_is_exact() -> None:
         assert models._cfg_to_json(back)[key] == value, key
 
 
+def test_config_serialisation_leaves_the_model_untouched() -> None:
+    model = make_tiny()
+    before = dict(model.cfg.to_dict())
+    models._cfg_to_json(model.cfg)
+    assert model.cfg.dtype is torch.float32 and model.cfg.to_dict().keys() == before.keys()
+    model(torch.tensor([[1, 2, 3]]))  # a mutated dtype string would break the forward
+
+
 def test_stale_cache_entry_is_refused(tmp_path: object) -> None:
     from pathlib import Path
 
