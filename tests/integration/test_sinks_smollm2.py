@@ -1,0 +1,131 @@
+"""mechgeom.sinks on SmolLM2-135M: references, the convexity intervention, GQA ablation, real-model sink geometry."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from mechgeom.hooks import LayerCollector, expand_kv, hook_name, run_hooks
+from mechgeom.sinks import (
+    SinkResult,
+    affected_heads,
+    convexity_by_intervention,
+    sink_ablation,
+    sink_statistics,
+    sink_value_hooks,
+)
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def stats(smollm2, smollm2_windows) -> SinkResult:
+    return sink_statistics(smollm2, smollm2_windows[:2])
+
+
+def test_statistics_match_reference_smollm2(smollm2, smollm2_windows):
+    """Loops over heads and queries (vectorised over sources only), float64, on one layer."""
+    tokens, layer = smollm2_windows[:1, :24], 4
+    res = sink_statistics(smollm2, tokens, layers=[layer])
+    names = [hook_name(layer, k) for k in ("pattern", "v", "z")]
+    with torch.no_grad():
+        _, cache = smollm2.run_with_cache(tokens, names_filter=names, stop_at_layer=layer + 1)
+    pattern = cache[names[0]][0].double()
+    v = expand_kv(cache[names[1]], smollm2.cfg.n_heads)[0].double()
+    z = cache[names[2]][0].double()
+    W_O = smollm2.W_O[layer].detach().double()
+    s_star = res.s_star()
+    shares = res.factor_shares()[0]
+    for h in range(smollm2.cfg.n_heads):
+        vt = v[:, h] @ W_O[h]  # [k d_model]
+        o = z[:, h] @ W_O[h]  # [q d_model]
+        alpha = pattern[h]
+        assert float(res.sink_rate[0, 0, h]) == pytest.approx(float(alpha[1:, 0].mean()), rel=1e-5)
+        assert float(res.norm_ratio_v[0, 0, h, 0]) == pytest.approx(
+            float(v[0, h].norm() / v[1:, h].norm(dim=-1).mean()), rel=1e-5
+        )
+        ratio_vt = float(vt[0].norm() / vt[1:].norm(dim=-1).mean())
+        assert float(res.norm_ratio_vt[0, 0, h, 0]) == pytest.approx(ratio_vt, rel=1e-5)
+        cos_tok = torch.nn.functional.cosine_similarity(vt[:1], vt[1:], dim=-1).mean()
+        assert float(res.cos_sink_tokens[0, 0, h, 0]) == pytest.approx(float(cos_tok), abs=1e-5)
+        cos_q, rows = [], {"sink": [], "tail": []}
+        for i in range(1, 24):
+            m = (alpha[i, 1 : i + 1, None] * vt[1 : i + 1]).sum(0) / alpha[i, 1 : i + 1].sum()
+            a, x, c = float(vt[0] @ vt[0]), float(vt[0] @ m), float(m @ m)
+            cos_q.append(x / math.sqrt(a * c))
+            assert float(s_star[0, 0, h, i]) == pytest.approx((c - x) / (a - 2 * x + c), rel=1e-4, abs=1e-6)
+            assert float(res.sink_mass[0, 0, h, i]) == pytest.approx(float(alpha[i, 0]), rel=1e-6)
+            ratio = vt[: i + 1].norm(dim=-1) / o[i].norm()
+            cos = torch.nn.functional.cosine_similarity(o[i : i + 1], vt[: i + 1], dim=-1)
+            contrib = (vt[: i + 1] @ o[i]) * alpha[i, : i + 1] / (o[i] @ o[i])
+            logs = torch.stack(
+                [alpha[i, : i + 1].log(), ratio.log(), cos.abs().log(), contrib.abs().log()], -1
+            )
+            rows["sink"].append(logs[:1])
+            rows["tail"].append(logs[1:])
+        assert float(res.cos_sink_mean[0, 0, h]) == pytest.approx(float(np.mean(cos_q)), abs=1e-5)
+        for g, name in enumerate(("sink", "tail")):
+            x_all = torch.cat(rows[name]).numpy()
+            x_all = x_all[np.isfinite(x_all).all(1)]
+            big_l = x_all[:, 3]
+            want = [
+                np.mean((x_all[:, f] - x_all[:, f].mean()) * (big_l - big_l.mean())) / big_l.var()
+                for f in range(3)
+            ]
+            np.testing.assert_allclose(shares[0, h, g].numpy(), want, atol=1e-3)
+
+
+def test_closed_form_matches_intervention_smollm2(smollm2, smollm2_windows, stats):
+    tokens = smollm2_windows[:2]
+    grid = [0.0, 0.3, 0.7, 1.0]
+    closed = stats.norm_curve(grid)
+    for layer in (1, 9):
+        meas = convexity_by_intervention(smollm2, tokens, grid, layer=layer)
+        for k in range(len(grid)):
+            want = closed[:, layer, :, :, k]
+            finite = torch.isfinite(want)
+            assert finite[:, :, 1:].all()
+            assert float((meas[k] - want).abs()[finite].max()) < 1e-4
+        assert float((meas[0] - meas[-1]).abs()[torch.isfinite(meas[0])].max()) > 0.1
+
+
+def test_smollm2_sink_geometry(stats):
+    """SmolLM2's first token is a sink with a small, anti-aligned value (paper B), and norm minima are
+    interior for most (head, query) pairs (paper A)."""
+    df = stats.to_frame()
+    deep = df[df["layer"] >= 1]
+    assert deep["sink_rate"].median() > 0.3
+    assert deep["norm_ratio_v"].median() < 0.5 and deep["norm_ratio_vt"].median() < 0.5
+    assert (deep["norm_ratio_vt"] < 1).mean() > 0.8
+    assert (deep["cos_sink_tokens"] < 0).mean() > 0.5
+    assert float(stats.interior_share(pooled=True)) > 0.7
+
+
+def test_gqa_ablation_and_identity_smollm2(smollm2, smollm2_windows):
+    tokens = smollm2_windows[:1, :32]
+    clean = run_hooks(smollm2, tokens, [], return_type="logits")
+    same = run_hooks(
+        smollm2, tokens, sink_value_hooks(smollm2, mode="scale", scale=1.0), return_type="logits"
+    )
+    assert torch.equal(same, clean)
+    assert affected_heads(smollm2, [4]) == [3, 4, 5]
+
+    def z_at(hooks):
+        col = LayerCollector(smollm2, 3)
+        run_hooks(smollm2, tokens, [*hooks, *col.fwd_hooks], stop_at_layer=4)
+        return col.captured[3].z
+
+    z0, z1 = z_at([]), z_at(sink_value_hooks(smollm2, layers=3, heads=[4]))
+    changed = [h for h in range(9) if not torch.equal(z0[:, :, h], z1[:, :, h])]
+    assert changed == [3, 4, 5]
+
+
+def test_sink_ablation_smollm2(smollm2, smollm2_windows):
+    res = sink_ablation(smollm2, smollm2_windows[:2], mode="zero", batch_size=2)
+    s = res.summary(n_boot=100)
+    assert res.affected_heads == list(range(9))
+    assert s["dnll_sink"] > s["dnll_control"] + 0.05
+    assert s["ppl_clean"] == pytest.approx(res.ppl("clean"))

@@ -1,0 +1,506 @@
+"""Unit tests of mechgeom.sinks on tiny seeded models, against loop-based references."""
+
+from __future__ import annotations
+
+import io
+import math
+
+import numpy as np
+import pytest
+import torch
+from conftest import make_tiny, random_tokens
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from mechgeom.contribution import LayerGeometry
+from mechgeom.evaluation import text_nll
+from mechgeom.hooks import LayerCollector, has_hooks, hook_name, run_hooks
+from mechgeom.sinks import (
+    SinkResult,
+    affected_heads,
+    convex_minimiser,
+    convex_norm,
+    convexity_by_intervention,
+    kv_groups,
+    plot_cone_shift,
+    plot_convexity_curves,
+    plot_rate_vs_ratio,
+    plot_sink_rate_vs_s_star,
+    random_control_positions,
+    resolve_sinks,
+    sink_ablation,
+    sink_mass_hooks,
+    sink_statistics,
+    sink_value_hooks,
+)
+
+# --------------------------------------------------------------------------- loop reference
+
+
+def _cos(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float(a @ b / (a.norm() * b.norm()))
+
+
+def reference(model, tokens, sinks):
+    """Every sink statistic by explicit Python loops over layers, texts, heads, queries and sources."""
+    with torch.no_grad():
+        _, cache = model.run_with_cache(tokens)
+    cfg = model.cfg
+    n_heads = cfg.n_heads
+    group = n_heads // (cfg.n_key_value_heads or n_heads)
+    n_texts, pos = tokens.shape
+    nonsink = [j for j in range(pos) if j not in sinks]
+    queries = [i for i in range(pos) if i > max(sinks)]
+    nan = float("nan")
+    out = {
+        k: {} for k in ("rate", "rate_pos", "ratio_v", "ratio_vt", "cos_tok", "cos_mean", "query", "entries")
+    }
+    for layer in range(cfg.n_layers):
+        pattern = cache[hook_name(layer, "pattern")].double()
+        v = cache[hook_name(layer, "v")].double()
+        z = cache[hook_name(layer, "z")].double()
+        W_O = model.W_O[layer].detach().double()
+        for h in range(n_heads):
+            out["entries"][(layer, h)] = {"sink": [], "tail": []}
+            for b in range(n_texts):
+                vt = [v[b, j, h // group] @ W_O[h] for j in range(pos)]
+                vn = [float(v[b, j, h // group].norm()) for j in range(pos)]
+                o = [z[b, i, h] @ W_O[h] for i in range(pos)]
+                alpha = pattern[b, h]
+                key = (b, layer, h)
+                out["rate"][key] = (
+                    np.mean([sum(float(alpha[i, s]) for s in sinks) for i in queries]) if queries else nan
+                )
+                for s in sinks:
+                    k2 = (*key, s)
+                    out["rate_pos"][k2] = np.mean([float(alpha[i, s]) for i in queries]) if queries else nan
+                    if nonsink:
+                        out["ratio_v"][k2] = vn[s] / np.mean([vn[j] for j in nonsink])
+                        out["ratio_vt"][k2] = float(vt[s].norm()) / np.mean(
+                            [float(vt[j].norm()) for j in nonsink]
+                        )
+                        out["cos_tok"][k2] = np.mean([_cos(vt[s], vt[j]) for j in nonsink])
+                    else:
+                        out["ratio_v"][k2] = out["ratio_vt"][k2] = out["cos_tok"][k2] = nan
+                cos_q = []
+                for i in queries:
+                    ms = sum(float(alpha[i, s]) for s in sinks)
+                    mr = sum(float(alpha[i, j]) for j in nonsink if j <= i)
+                    vs = sum(alpha[i, s] * vt[s] for s in sinks) / ms
+                    m = sum(alpha[i, j] * vt[j] for j in nonsink if j <= i) / mr
+                    a, c, x = float(vs @ vs), float(m @ m), float(vs @ m)
+                    s_star = (c - x) / (a - 2 * x + c)
+                    out["query"][(*key, i)] = (ms, a, x, c, s_star, float(o[i].norm()))
+                    cos_q.append(x / math.sqrt(a * c))
+                    for j in range(i + 1):
+                        cval = float(o[i] @ (alpha[i, j] * vt[j]) / (o[i] @ o[i]))
+                        ratio = float(vt[j].norm() / o[i].norm())
+                        cosv = _cos(o[i], vt[j])
+                        assert cval == pytest.approx(float(alpha[i, j]) * ratio * cosv, rel=1e-9)
+                        row = (
+                            math.log(alpha[i, j]),
+                            math.log(ratio),
+                            math.log(abs(cosv)),
+                            math.log(abs(cval)),
+                        )
+                        out["entries"][(layer, h)]["sink" if j in sinks else "tail"].append(row)
+                out["cos_mean"][key] = np.mean(cos_q) if cos_q else nan
+    return out
+
+
+def _ref_shares(rows):
+    x = np.array(rows)
+    if len(x) < 2:
+        return np.full(3, np.nan), np.full(3, np.nan) if len(x) == 0 else x[:, :3].mean(0)
+    big_l = x[:, 3]
+    cov = [np.mean((x[:, f] - x[:, f].mean()) * (big_l - big_l.mean())) for f in range(3)]
+    return np.array(cov) / big_l.var(), x[:, :3].mean(0)
+
+
+def _close(a, b, tol=2e-5):
+    a, b = float(a), float(b)
+    if math.isnan(b):
+        return math.isnan(a)
+    return abs(a - b) <= tol * (1 + abs(b))
+
+
+@pytest.mark.parametrize(("sinks", "n_kv"), [([0], None), ([0], 2), ([1, 3], 2)])
+def test_statistics_match_loop_reference(sinks, n_kv):
+    model = make_tiny(n_kv=n_kv)
+    tokens = random_tokens(2, 9)
+    res = sink_statistics(model, tokens, sink_positions=sinks, batch_size=1)
+    ref = reference(model, tokens, sinks)
+    s_star = res.s_star()
+    shares, means, counts = res.factor_shares()
+    for layer in range(2):
+        for h in range(4):
+            for b in range(2):
+                key = (b, layer, h)
+                assert _close(res.sink_rate[b, layer, h], ref["rate"][key])
+                assert _close(res.cos_sink_mean[b, layer, h], ref["cos_mean"][key], 1e-4)
+                for si, s in enumerate(sinks):
+                    k2 = (*key, s)
+                    assert _close(res.sink_rate_pos[b, layer, h, si], ref["rate_pos"][k2])
+                    assert _close(res.norm_ratio_v[b, layer, h, si], ref["ratio_v"][k2])
+                    assert _close(res.norm_ratio_vt[b, layer, h, si], ref["ratio_vt"][k2])
+                    assert _close(res.cos_sink_tokens[b, layer, h, si], ref["cos_tok"][k2], 1e-4)
+                for i in range(9):
+                    got = (res.sink_mass, res.sq_sink, res.cross, res.sq_mean, s_star, res.head_out_norm())
+                    if (*key, i) not in ref["query"]:
+                        assert all(math.isnan(float(t[b, layer, h, i])) for t in got)
+                        continue
+                    for t, want in zip(got, ref["query"][(*key, i)], strict=True):
+                        assert _close(t[b, layer, h, i], want, 1e-4)
+            for g, gname in enumerate(("sink", "tail")):
+                rows = ref["entries"][(layer, h)][gname]
+                want_shares, want_means = _ref_shares(rows)
+                assert int(counts[layer, h, g]) == len(rows)
+                np.testing.assert_allclose(shares[layer, h, g].numpy(), want_shares, atol=2e-4, rtol=1e-3)
+                np.testing.assert_allclose(means[layer, h, g].numpy(), want_means, atol=1e-4, rtol=1e-4)
+                assert float(shares[layer, h, g].sum()) == pytest.approx(1.0, abs=1e-4)
+
+
+def test_to_frame_one_row_per_head_and_sink():
+    model = make_tiny(n_kv=2)
+    res = sink_statistics(model, random_tokens(2, 8), sink_positions=[0, 2])
+    df = res.to_frame()
+    assert len(df) == 2 * 4 * 2
+    assert set(df["sink"]) == {0, 2}
+    assert df.groupby(["layer", "head"])["sink_rate"].nunique().max() == 1  # the set total is per head
+    assert list(df["kv_head"][:8:2]) == [0, 0, 1, 1]
+    expect = torch.nanmean(res.norm_ratio_vt, dim=0)
+    np.testing.assert_allclose(df["norm_ratio_vt"].to_numpy(), expect.flatten().numpy(), rtol=1e-6)
+    q = res.query_frame(layers=[1], heads=[0])
+    assert len(q) == 2 * (8 - 3) and q["query"].min() == 3
+
+
+# --------------------------------------------------------------------------- convexity
+
+
+@pytest.mark.parametrize(("sinks", "n_kv"), [([0], None), ([0, 2], 2)])
+def test_closed_form_matches_intervention(sinks, n_kv):
+    model = make_tiny(n_kv=n_kv)
+    tokens = random_tokens(2, 10)
+    res = sink_statistics(model, tokens, sink_positions=sinks)
+    grid = [0.0, 0.1, 0.37, 0.5, 0.9, 1.0]
+    closed = res.norm_curve(grid)  # [n layer head q grid]
+    for layer in range(2):
+        meas = convexity_by_intervention(model, tokens, grid, layer=layer, heads=[1, 2], sink_positions=sinks)
+        for k in range(len(grid)):
+            want = closed[:, layer, :, :, k]  # [n head q]
+            finite = torch.isfinite(want)
+            assert finite[:, :, max(sinks) + 1 :].all()
+            diff = (meas[k][:, [1, 2]] - want[:, [1, 2]]).abs()
+            assert float(diff[finite[:, [1, 2]]].max()) < 1e-4
+            # heads outside `heads` keep their clean output norm
+            clean = res.head_out_norm()[:, layer][:, [0, 3]]
+            d0 = (meas[k][:, [0, 3]] - clean).abs()
+            assert float(d0[torch.isfinite(clean)].max()) < 1e-5
+
+
+def test_intervention_moves_the_curve():
+    """The check above is not vacuous: different s give different measured norms."""
+    model = make_tiny()
+    tokens = random_tokens(1, 10)
+    meas = convexity_by_intervention(model, tokens, [0.0, 1.0], layer=0)
+    assert float((meas[0] - meas[1]).abs().nan_to_num(0).max()) > 1e-2
+
+
+def test_sink_mass_hook_sets_the_mass():
+    model = make_tiny()
+    tokens = random_tokens(2, 8)
+    hooks = sink_mass_hooks(model, 0.3, layers=[1], heads=[0, 2], sink_positions=[0, 1])
+    _, clean = model.run_with_cache(tokens)
+    with model.hooks(fwd_hooks=hooks, reset_hooks_end=True):
+        _, cache = model.run_with_cache(tokens)
+    pat, ref = cache["blocks.1.attn.hook_pattern"], clean["blocks.1.attn.hook_pattern"]
+    torch.testing.assert_close(pat.sum(-1), torch.ones_like(pat.sum(-1)))
+    torch.testing.assert_close(pat[:, [0, 2], 2:, :2].sum(-1), torch.full((2, 2, 6), 0.3))
+    # proportions inside the sink set and inside the rest are kept
+    torch.testing.assert_close(
+        pat[:, 0, 2:, 2:] / pat[:, 0, 2:, 2:].sum(-1, keepdim=True),
+        ref[:, 0, 2:, 2:] / ref[:, 0, 2:, 2:].sum(-1, keepdim=True),
+    )
+    torch.testing.assert_close(pat[:, [1, 3]], ref[:, [1, 3]])  # other heads untouched
+    torch.testing.assert_close(pat[:, :, :2], ref[:, :, :2])  # queries outside Q untouched
+    torch.testing.assert_close(cache["blocks.0.attn.hook_pattern"], clean["blocks.0.attn.hook_pattern"])
+    assert not has_hooks(model)
+
+
+vec = st.lists(st.floats(-3, 3, allow_nan=False), min_size=4, max_size=4)
+
+
+@settings(max_examples=60, deadline=None)
+@given(vt0=vec, m=vec)
+def test_s_star_minimises_the_quadratic(vt0, m):
+    a_vec, m_vec = torch.tensor(vt0, dtype=torch.float64), torch.tensor(m, dtype=torch.float64)
+    a, x, c = a_vec @ a_vec, a_vec @ m_vec, m_vec @ m_vec
+    s_star = convex_minimiser(a, x, c)
+    if float((a_vec - m_vec).norm()) < 1e-6:
+        assert torch.isnan(s_star)
+        return
+    grid = torch.linspace(-2, 3, 2001, dtype=torch.float64)
+    brute = (grid[:, None] * a_vec + (1 - grid)[:, None] * m_vec).norm(dim=-1)
+    closed = convex_norm(a, x, c, grid)
+    torch.testing.assert_close(closed, brute, atol=1e-9, rtol=1e-9)
+    best = float(convex_norm(a, x, c, float(s_star)))
+    assert best <= float(brute.min()) + 1e-9
+    assert bool((s_star > 0) & (s_star < 1)) == bool(x < min(a, c))
+
+
+def test_interior_share_counts_finite_s_star():
+    res = sink_statistics(make_tiny(), random_tokens(2, 8))
+    st_ = res.s_star()
+    inside = ((st_ > 0) & (st_ < 1)).sum((0, 3)).double() / torch.isfinite(st_).sum((0, 3))
+    torch.testing.assert_close(res.interior_share(), inside)
+    assert float(res.norm_excess().nan_to_num(2).min()) >= 1 - 1e-9
+
+
+# --------------------------------------------------------------------------- ablation
+
+
+def test_ablation_unchanged_is_identity():
+    model = make_tiny(n_kv=2)
+    tokens = random_tokens(2, 10)
+    clean = run_hooks(model, tokens, [], return_type="logits")
+    for kwargs in (
+        {"mode": "unchanged"},
+        {"mode": "scale", "scale": 1.0},
+        {"mode": "mean_norm", "scale": 1.0},
+    ):
+        logits = run_hooks(model, tokens, sink_value_hooks(model, **kwargs), return_type="logits")
+        if kwargs["mode"] == "mean_norm":
+            assert not torch.equal(logits, clean)  # rescaling to the mean norm does change the model
+        else:
+            assert torch.equal(logits, clean)
+    zero = run_hooks(model, tokens, sink_value_hooks(model, mode="zero"), return_type="logits")
+    assert not torch.equal(zero, clean)
+
+
+def _values_after(model, tokens, hooks, layer):
+    seen = {}
+
+    def grab(v, hook):
+        seen["v"] = v.clone()
+
+    run_hooks(model, tokens, [*hooks, (hook_name(layer, "v"), grab)], stop_at_layer=layer + 1)
+    return seen["v"]
+
+
+def test_value_ablation_modes():
+    model = make_tiny(n_kv=2)
+    tokens = random_tokens(2, 10)
+    clean = _values_after(model, tokens, [], 1)  # [b pos kv d]
+    sinks = [0, 3]
+    zero = _values_after(model, tokens, sink_value_hooks(model, layers=1, heads=[2], sink_positions=sinks), 1)
+    assert torch.equal(zero[:, sinks, 1], torch.zeros_like(zero[:, sinks, 1]))
+    keep = [j for j in range(10) if j not in sinks]
+    assert torch.equal(zero[:, keep], clean[:, keep]) and torch.equal(zero[:, :, 0], clean[:, :, 0])
+    mean = _values_after(
+        model, tokens, sink_value_hooks(model, layers=1, mode="mean_norm", sink_positions=sinks), 1
+    )
+    for b in range(2):
+        for kv in range(2):
+            target = np.mean([float(clean[b, j, kv].norm()) for j in keep])
+            for s in sinks:
+                assert float(mean[b, s, kv].norm()) == pytest.approx(target, rel=1e-5)
+                assert _cos(mean[b, s, kv], clean[b, s, kv]) == pytest.approx(1.0, abs=1e-5)
+    half = _values_after(model, tokens, sink_value_hooks(model, layers=1, mode="scale", scale=0.5), 1)
+    torch.testing.assert_close(half[:, 0], clean[:, 0] * 0.5)
+    # per-text positions (the control): text 0 ablates position 4, text 1 position 7
+    ctrl = _values_after(
+        model, tokens, sink_value_hooks(model, layers=1, positions=torch.tensor([[4], [7]])), 1
+    )
+    assert torch.equal(ctrl[0, 4], torch.zeros_like(ctrl[0, 4])) and torch.equal(
+        ctrl[1, 7], torch.zeros_like(ctrl[1, 7])
+    )
+    assert torch.equal(ctrl[0, 7], clean[0, 7]) and torch.equal(ctrl[1, 4], clean[1, 4])
+    assert torch.equal(ctrl[:, 0], clean[:, 0])
+
+
+def _z_after(model, tokens, hooks, layer):
+    col = LayerCollector(model, layer)
+    run_hooks(model, tokens, [*hooks, *col.fwd_hooks], stop_at_layer=layer + 1)
+    return col.captured[layer].z
+
+
+@pytest.mark.parametrize(
+    ("n_kv", "heads", "expected"), [(2, [1], [0, 1]), (2, [0, 3], [0, 1, 2, 3]), (None, [1], [1])]
+)
+def test_gqa_ablation_affects_exactly_the_kv_group(n_kv, heads, expected):
+    model = make_tiny(n_kv=n_kv)
+    tokens = random_tokens(2, 10)
+    assert affected_heads(model, heads) == expected
+    assert sorted(h for g in kv_groups(model, heads).values() for h in g) == expected
+    clean = _z_after(model, tokens, [], 1)
+    ablated = _z_after(model, tokens, sink_value_hooks(model, layers=1, heads=heads), 1)
+    for h in range(4):
+        same = torch.equal(ablated[:, :, h], clean[:, :, h])
+        assert same == (h not in expected), h
+
+
+def test_control_positions_seeded_and_never_sinks():
+    a = random_control_positions(50, 12, [0, 5], seed=3)
+    b = random_control_positions(50, 12, [0, 5], seed=3)
+    c = random_control_positions(50, 12, [0, 5], seed=4)
+    assert torch.equal(a, b) and not torch.equal(a, c)
+    assert a.shape == (50, 1)
+    assert not torch.isin(a, torch.tensor([0, 5])).any() and int(a.max()) < 12
+
+
+def test_sink_ablation_result():
+    model = make_tiny(n_kv=2)
+    tokens = random_tokens(3, 10)
+    res = sink_ablation(model, tokens, layers=[1], heads=[0], batch_size=2, seed=1)
+    assert res.affected_heads == [0, 1]
+    nll = {
+        c: text_nll(model, tokens, hooks, batch_size=3)
+        for c, hooks in (
+            ("clean", []),
+            ("sink", sink_value_hooks(model, layers=[1], heads=[0])),
+            (
+                "control",
+                sink_value_hooks(model, layers=[1], heads=[0], positions=res.control_positions[:, None]),
+            ),
+        )
+    }
+    for c in nll:
+        torch.testing.assert_close(res.nll[c], nll[c])
+    assert res.delta_ppl("sink") == pytest.approx(
+        float(torch.exp(nll["sink"].mean()) - torch.exp(nll["clean"].mean())), rel=1e-5
+    )
+    df = res.to_frame()
+    assert len(df) == 2 * 4
+    assert df.loc[df["ablated"], ["layer", "head"]].values.tolist() == [[1, 0], [1, 1]]
+    # layer 0 is upstream of the ablation: unchanged; heads 2, 3 of layer 1 are in the other KV group
+    unaffected = df[(df["layer"] == 0) | df["head"].isin([2, 3])]
+    assert (unaffected["d_out_norm_sink"].abs() < 1e-6).all()
+    assert (df.loc[df["ablated"], "d_out_norm_sink"].abs() > 1e-4).all()
+    # the norms and cone cosines against a direct computation on one head
+    col = LayerCollector(model, 1)
+    run_hooks(model, tokens, col.fwd_hooks)
+    geo = LayerGeometry.from_activations(col.captured[1])
+    mu = geo.projected_values[:, 1:, 0].mean(1)  # [b m]
+    cos = torch.nn.functional.cosine_similarity(geo.head_out[:, 1:, 0], mu[:, None], dim=-1).mean(1)
+    torch.testing.assert_close(res.cone_cos["clean"][:, 1, 0], cos)
+    torch.testing.assert_close(res.out_norm["clean"][:, 1, 0], geo.head_out_norm[:, 0, 1:].mean(1))
+    summary = res.summary(n_boot=50)
+    assert summary["dnll_sink_lo"] <= summary["dnll_sink"] <= summary["dnll_sink_hi"]
+    # reusing the clean pass gives the same result
+    again = sink_ablation(model, tokens, layers=[1], heads=[0], batch_size=2, seed=1, clean=res)
+    torch.testing.assert_close(again.nll["sink"], res.nll["sink"])
+    with pytest.raises(ValueError, match="other tokens"):
+        sink_ablation(model, tokens[:, :9], layers=[1], clean=res)
+    same = sink_ablation(model, tokens, mode="unchanged", batch_size=3)
+    assert same.delta_ppl("sink") == 0.0 and same.delta_ppl("control") == 0.0
+
+
+# --------------------------------------------------------------------------- edge cases
+
+
+def test_sequence_of_length_one_is_all_nan():
+    model = make_tiny()
+    res = sink_statistics(model, random_tokens(2, 1))
+    for t in (
+        res.sink_rate,
+        res.norm_ratio_v,
+        res.norm_ratio_vt,
+        res.cos_sink_tokens,
+        res.cos_sink_mean,
+        res.sink_mass,
+    ):
+        assert torch.isnan(t).all()
+    assert torch.isnan(res.interior_share()).all() and torch.isnan(res.factor_shares()[0]).all()
+    df = res.to_frame()
+    assert len(df) == 8 and df[["sink_rate", "norm_ratio_vt", "s_star_median"]].isna().all().all()
+    assert res.query_frame().empty
+    assert torch.isnan(convexity_by_intervention(model, random_tokens(1, 1), [0.5], layer=0)).all()
+
+
+def test_sequence_of_length_two():
+    model = make_tiny(n_kv=2)
+    tokens = random_tokens(1, 2)
+    res = sink_statistics(model, tokens)
+    ref = reference(model, tokens, [0])
+    assert torch.isfinite(res.sink_rate).all() and torch.isfinite(res.norm_ratio_vt).all()
+    for layer in range(2):
+        for h in range(4):
+            assert _close(res.sink_rate[0, layer, h], ref["rate"][(0, layer, h)])
+            assert _close(res.norm_ratio_v[0, layer, h, 0], ref["ratio_v"][(0, layer, h, 0)])
+    shares, _, counts = res.factor_shares()
+    assert (counts == 1).all() and torch.isnan(shares).all()  # one entry per group: no variance
+    both = sink_statistics(model, tokens, sink_positions=[0, 1])  # no non-sink token left
+    assert torch.isnan(both.sink_rate).all() and torch.isnan(both.norm_ratio_v).all()
+
+
+def test_out_of_range_and_bad_input():
+    model = make_tiny()
+    tokens = random_tokens(1, 6)
+    with pytest.raises(IndexError, match="layer"):
+        sink_statistics(model, tokens, layers=[2])
+    with pytest.raises(IndexError, match="head"):
+        sink_mass_hooks(model, 0.5, heads=[4])
+    with pytest.raises(IndexError, match="layer"):
+        sink_value_hooks(model, layers=[-1])
+    with pytest.raises(IndexError, match="head"):
+        sink_ablation(model, tokens, heads=[7])
+    with pytest.raises(IndexError, match="layer"):
+        convexity_by_intervention(model, tokens, [0.5], layer=5)
+    with pytest.raises(ValueError, match="mode"):
+        sink_value_hooks(model, mode="nope")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"\[0, 1\]"):
+        sink_mass_hooks(model, 1.5)
+    with pytest.raises(ValueError, match="beyond the sequence"):
+        resolve_sinks([6], pos=6)
+    with pytest.raises(ValueError, match="duplicate"):
+        resolve_sinks([1, 1])
+    with pytest.raises(ValueError, match="beyond the sequence"):
+        sink_ablation(model, tokens, sink_positions=[9])
+
+
+def test_no_hooks_left_after_an_exception():
+    model = make_tiny()
+    tokens = random_tokens(1, 5)
+    with pytest.raises(ValueError, match="beyond the sequence"):
+        sink_statistics(model, tokens, sink_positions=[7])  # raised inside the reader hook
+    assert not has_hooks(model)
+    with pytest.raises(ValueError, match="beyond the sequence"):
+        run_hooks(model, tokens, sink_mass_hooks(model, 0.5, sink_positions=[7]))
+    assert not has_hooks(model)
+    with pytest.raises(ValueError, match="outside the sequence"):
+        text_nll(model, tokens, sink_value_hooks(model, positions=[9]))
+    assert not has_hooks(model)
+
+
+# --------------------------------------------------------------------------- plots
+
+
+def _png_size(fig) -> int:
+    import matplotlib.pyplot as plt
+
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=100)
+    plt.close(fig)
+    return buf.tell()
+
+
+def test_plots_draw_the_results():
+    model = make_tiny(n_kv=2)
+    tokens = random_tokens(2, 10)
+    res: SinkResult = sink_statistics(model, tokens)
+    fig = plot_rate_vs_ratio(res)
+    assert fig.axes[0].collections[0].get_offsets().shape == (8, 2)
+    assert _png_size(fig) < 300_000
+    meas = convexity_by_intervention(model, tokens, [0.0, 0.5, 1.0], layer=1, heads=0)
+    fig = plot_convexity_curves(
+        res, [(0, 1), (1, 0)], measured={(1, 0): ([0.0, 0.5, 1.0], meas[:, 0, 0])}, n_queries=3
+    )
+    assert len(fig.axes) == 2 and len(fig.axes[1].lines) == 3 * 4
+    assert _png_size(fig) < 300_000
+    fig = plot_sink_rate_vs_s_star(res)
+    assert fig.axes[0].collections[0].get_offsets().shape == (8, 2)
+    _png_size(fig)
+    abl = sink_ablation(model, tokens, layers=[0, 1], heads=[0])
+    fig = plot_cone_shift(abl)
+    assert [c.get_offsets().shape[0] for c in fig.axes[0].collections] == [4, 4]
+    _png_size(fig)
