@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import make_tiny, random_tokens
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from mechgeom.contribution import LayerGeometry
@@ -232,11 +232,13 @@ vec = st.lists(st.floats(-3, 3, allow_nan=False), min_size=4, max_size=4)
 
 @settings(max_examples=60, deadline=None)
 @given(vt0=vec, m=vec)
+@example(vt0=[0.0, 0.0, 0.0, 0.0], m=[0.0, 0.0, 0.0, 4.6741933823661127e-48])  # tiny, not flat: s* = 1
+@example(vt0=[1.0, 0.0, 0.0, 0.0], m=[1.0, 0.0, 0.0, 0.0])  # flat: NaN
 def test_s_star_minimises_the_quadratic(vt0, m):
     a_vec, m_vec = torch.tensor(vt0, dtype=torch.float64), torch.tensor(m, dtype=torch.float64)
     a, x, c = a_vec @ a_vec, a_vec @ m_vec, m_vec @ m_vec
     s_star = convex_minimiser(a, x, c)
-    if float((a_vec - m_vec).norm()) < 1e-6:
+    if float(a - 2 * x + c) == 0:  # documented: a flat curve has no minimiser
         assert torch.isnan(s_star)
         return
     grid = torch.linspace(-2, 3, 2001, dtype=torch.float64)
@@ -245,7 +247,8 @@ def test_s_star_minimises_the_quadratic(vt0, m):
     torch.testing.assert_close(closed, brute, atol=1e-9, rtol=1e-9)
     best = float(convex_norm(a, x, c, float(s_star)))
     assert best <= float(brute.min()) + 1e-9
-    assert bool((s_star > 0) & (s_star < 1)) == bool(x < min(a, c))
+    if float((a_vec - m_vec).norm()) > 1e-6:  # away from round-off in a near-flat curve
+        assert bool((s_star > 0) & (s_star < 1)) == bool(x < min(a, c))
 
 
 def test_interior_share_counts_finite_s_star():
