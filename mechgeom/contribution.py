@@ -9,11 +9,17 @@ For one layer (batch ``b``, head ``h``, query ``i``, source ``j <= i``), with ``
 Every metric costs one ``q x k`` product in ``d_head`` per head, like attention itself, because
 ``<o, vt[j,h]> = v[j,h] . (o @ W_O[h].T)``. No ``[batch, head, q, k, d_model]`` tensor is ever built.
 The inter-head value norm is ``alpha^T G_j alpha`` with the ``[head, head]`` Gram matrix ``G_j`` of
-token ``j``'s projected values.
+token ``j``'s projected values. Norms of head outputs and projected values are quadratic forms in
+``d_head`` with ``M[h] = W_O[h] W_O[h].T``.
 
-**Zero output norm.** Where ``‖o[i,h]‖ = 0`` (or ``‖o[i]‖ = 0`` for inter-head metrics) the normalised
-metrics of that row are NaN: never a crash, never a silent 0. Where a projected value is zero its
-cosine factor is 0 (then ``alpha * ratio * cos = c = 0`` still holds).
+**Causal layout.** Metrics are ``[.., query_pos, key_pos]`` with every entry above the diagonal
+(``key > query``, not a source) exactly 0, factors included. They are computed in blocks of queries
+(``block_size``), each against only the keys it can see, so about half of the ``q x k`` work of a full
+square is skipped. The pattern is assumed causal, as a decoder's is (mechgeom's interventions keep it so).
+
+**Zero output norm.** Where ``‖o[i,h]‖ = 0`` (or ``‖o[i]‖ = 0`` for inter-head metrics and head shares)
+the normalised metrics of that row are NaN at every source ``j <= i``: never a crash, never a silent 0.
+Where a projected value is zero its cosine factor is 0 (then ``alpha * ratio * cos = c = 0`` still holds).
 
 **Basis.** Geometry is measured on the model as loaded (see :mod:`mechgeom.models`); ``b_O`` is
 excluded from ``o``, so ``sum_j c[h,i,j] = 1`` and ``sum_j c[i,j] = 1`` exactly.
@@ -21,6 +27,7 @@ excluded from ``o``, so ``sum_j c[h,i,j] = 1`` and ``sum_j c[i,j] = 1`` exactly.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -67,30 +74,46 @@ INTER_METRICS = ("attention", "value_weighted", "value_weighted_normalized", "co
 #: The four metrics compared by paper A, in its claimed order of faithfulness.
 RANKING_METRICS = ("attention", "value_weighted", "value_weighted_normalized", "contribution")
 
+#: Queries per block of the blocked computation (see "Causal layout" above).
+BLOCK_SIZE = 128
 
-def _safe_div(num: Tensor, den: Tensor) -> Tensor:
-    """``num / den`` with NaN (not inf, not 0) where ``den == 0``."""
-    return torch.where(den == 0, torch.full_like(num, float("nan")), num / torch.where(den == 0, 1, den))
+
+def _inv_or_nan(den: Tensor) -> Tensor:
+    """``1 / den``, NaN where ``den == 0`` (so that a product with it is NaN there, also for a 0 numerator)."""
+    return torch.where(den == 0, torch.full_like(den, float("nan")), 1 / torch.where(den == 0, 1, den))
+
+
+def _inv_or_zero(den: Tensor) -> Tensor:
+    """``1 / den``, 0 where ``den == 0``."""
+    return torch.where(den == 0, torch.zeros_like(den), 1 / torch.where(den == 0, 1, den))
 
 
 class LayerGeometry:
     """The shared pieces of one layer's metrics, each computed once and only when asked for.
 
     Shapes: ``pattern [batch head q k]``, ``v [batch pos head d_head]`` (expanded),
-    ``z [batch pos head d_head]``, ``W_O [head d_head d_model]``.
+    ``z [batch pos head d_head]``, ``W_O [head d_head d_model]``. :meth:`compute` returns several metrics
+    in one blocked sweep (what :class:`ContributionCollector` uses); the per-metric methods return the same
+    numbers one at a time and keep them.
     """
 
-    def __init__(self, pattern: Pattern, v: Values, z: Z, W_O: WO) -> None:
+    def __init__(self, pattern: Pattern, v: Values, z: Z, W_O: WO, *, block_size: int = BLOCK_SIZE) -> None:
+        if pattern.shape[-1] != pattern.shape[-2]:
+            raise ValueError(
+                f"the pattern must be square [.., q, k] (no KV cache); got {tuple(pattern.shape)}"
+            )
         self.pattern = pattern
         self.v = v
         self.z = z
         self.W_O = W_O
+        self.block_size = max(1, int(block_size))
+        self._metrics: dict[str, Tensor] = {}
 
     @classmethod
-    def from_activations(cls, acts: LayerActivations) -> LayerGeometry:
-        return cls(acts.pattern, acts.v, acts.z, acts.W_O)
+    def from_activations(cls, acts: LayerActivations, *, block_size: int = BLOCK_SIZE) -> LayerGeometry:
+        return cls(acts.pattern, acts.v, acts.z, acts.W_O, block_size=block_size)
 
-    # ---- norms and products (all in d_head or d_model, never q x k x d_model)
+    # ---- outputs and values in d_model (the metrics only need projected_values, for the Gram matrix)
     @cached_property
     def head_out(self) -> Float[Tensor, "batch pos head_index d_model"]:
         """``o[i,h] = z[i,h] @ W_O[h]``."""
@@ -99,39 +122,65 @@ class LayerGeometry:
     @cached_property
     def layer_out(self) -> Float[Tensor, "batch pos d_model"]:
         """``o[i] = sum_h o[i,h]`` (no ``b_O``)."""
-        return self.head_out.sum(dim=2)
+        return einops.einsum(self.z, self.W_O, "b q h d, h d m -> b q m")
 
     @cached_property
     def projected_values(self) -> Float[Tensor, "batch pos head_index d_model"]:
         """``vt[j,h] = v[j,h] @ W_O[h]`` (``d_model`` per token and head, no ``q`` axis)."""
         return head_outputs(self.v, self.W_O)
 
+    # ---- norms and products in d_head (never q x k x d_model)
+    @cached_property
+    def wo_gram_full(self) -> Float[Tensor, "head_index d_head head_index2 d_head2"]:
+        """``M[h,:,g,:] = W_O[h] @ W_O[g].T`` (a weight-only quantity, cached per ``W_O``, see :func:`_wo_gram_full`)."""
+        return _wo_gram_full(self.W_O)
+
+    @cached_property
+    def wo_gram(self) -> Float[Tensor, "head_index d_head d_head2"]:
+        """``M[h] = W_O[h] @ W_O[h].T``, so that ``<x @ W_O[h], y @ W_O[h]> = x M[h] y``."""
+        return einops.rearrange(torch.diagonal(self.wo_gram_full, dim1=0, dim2=2), "d e h -> h d e")
+
+    @cached_property
+    def head_u(self) -> Float[Tensor, "batch pos head_index d_head"]:
+        """``o[i,h] @ W_O[h].T = z[i,h] M[h]``."""
+        return einops.einsum(self.z, self.wo_gram, "b q h d, h d e -> b q h e")
+
+    @cached_property
+    def layer_u(self) -> Float[Tensor, "batch pos head_index d_head"]:
+        """``o[i] @ W_O[h].T = sum_g z[i,g] M[g,:,h,:]`` for every head ``h``."""
+        h = self.z.shape[2]
+        z = einops.rearrange(self.z, "b q h d -> b q (h d)")
+        m = einops.rearrange(self.wo_gram_full, "h d g e -> (h d) (g e)")
+        return einops.rearrange(z @ m, "b q (g e) -> b q g e", g=h)
+
     @cached_property
     def vt_norm(self) -> Float[Tensor, "batch head_index key_pos"]:
-        """``‖vt[j,h]‖``."""
-        return einops.rearrange(self.projected_values.norm(dim=-1), "b k h -> b h k")
+        """``‖vt[j,h]‖ = sqrt(v[j,h] M[h] v[j,h])``."""
+        vm = einops.einsum(self.v, self.wo_gram, "b k h d, h d e -> b k h e")
+        sq = einops.einsum(vm, self.v, "b k h d, b k h d -> b h k")
+        return sq.clamp_min(0).sqrt()
 
     @cached_property
     def head_out_norm(self) -> Float[Tensor, "batch head_index query_pos"]:
-        """``‖o[i,h]‖``."""
-        return einops.rearrange(self.head_out.norm(dim=-1), "b q h -> b h q")
+        """``‖o[i,h]‖ = sqrt(z[i,h] M[h] z[i,h])``."""
+        sq = einops.einsum(self.z, self.head_u, "b q h d, b q h d -> b h q")
+        return sq.clamp_min(0).sqrt()
 
     @cached_property
     def layer_out_norm(self) -> Float[Tensor, "batch query_pos"]:
-        """``‖o[i]‖``."""
-        return self.layer_out.norm(dim=-1)
+        """``‖o[i]‖ = sqrt(sum_h z[i,h] . (o[i] @ W_O[h].T))``."""
+        sq = einops.einsum(self.z, self.layer_u, "b q h d, b q h d -> b q")
+        return sq.clamp_min(0).sqrt()
 
     @cached_property
     def dot_head(self) -> HeadScores:
-        """``<o[i,h], vt[j,h]> = v[j,h] . (o[i,h] @ W_O[h].T)``, computed in ``d_head``."""
-        u = einops.einsum(self.head_out, self.W_O, "b q h m, h d m -> b q h d")
-        return einops.einsum(u, self.v, "b q h d, b k h d -> b h q k")
+        """``<o[i,h], vt[j,h]> = v[j,h] . (o[i,h] @ W_O[h].T)``, computed in ``d_head`` (full square)."""
+        return einops.einsum(self.head_u, self.v, "b q h d, b k h d -> b h q k")
 
     @cached_property
     def dot_layer(self) -> HeadScores:
-        """``<o[i], vt[j,h]> = v[j,h] . (o[i] @ W_O[h].T)``, computed in ``d_head``."""
-        u = einops.einsum(self.layer_out, self.W_O, "b q m, h d m -> b q h d")
-        return einops.einsum(u, self.v, "b q h d, b k h d -> b h q k")
+        """``<o[i], vt[j,h]> = v[j,h] . (o[i] @ W_O[h].T)``, computed in ``d_head`` (full square)."""
+        return einops.einsum(self.layer_u, self.v, "b q h d, b k h d -> b h q k")
 
     @cached_property
     def gram(self) -> Float[Tensor, "batch key_pos head_index head_index2"]:
@@ -139,55 +188,52 @@ class LayerGeometry:
         vt = self.projected_values
         return einops.einsum(vt, vt, "b k h m, b k g m -> b k h g")
 
-    # ---- the metrics of SPEC.md §A, one function each
+    # ---- the metrics of SPEC.md §A, one function each (the formula is in the block kernels below)
     def attention(self) -> HeadScores:
         """Raw attention, intra-head: ``alpha[h,i,j]``."""
         return self.pattern
 
     def attention_inter(self) -> LayerScores:
         """Raw attention, inter-head: ``mean_h alpha[h,i,j]``."""
-        return self.pattern.mean(dim=1)
+        return self._get("attention_inter")
 
     def value_weighted(self) -> HeadScores:
         """Value-weighted attention (Kobayashi 2020), intra-head: ``alpha[h,i,j] * ‖vt[j,h]‖``."""
-        return self.pattern * self.vt_norm[:, :, None, :]
+        return self._get("value_weighted")
 
     def value_weighted_inter(self) -> LayerScores:
         """Value-weighted, inter-head: ``‖sum_h alpha[h,i,j] vt[j,h]‖ = sqrt(alpha^T G_j alpha)``."""
-        sq = einops.einsum(self.pattern, self.gram, self.pattern, "b h q k, b k h g, b g q k -> b q k")
-        return sq.clamp_min(0).sqrt()
+        return self._get("value_weighted_inter")
 
     def value_weighted_normalized(self) -> HeadScores:
         """Value-weighted, output-normalised, intra-head: ``alpha[h,i,j] * ‖vt[j,h]‖ / ‖o[i,h]‖``."""
-        return _safe_div(self.value_weighted(), self.head_out_norm[..., None])
+        return self._get("value_weighted_normalized")
 
     def value_weighted_normalized_inter(self) -> LayerScores:
         """Value-weighted, output-normalised, inter-head: ``‖sum_h alpha[h,i,j] vt[j,h]‖ / ‖o[i]‖``."""
-        return _safe_div(self.value_weighted_inter(), self.layer_out_norm[..., None])
+        return self._get("value_weighted_normalized_inter")
 
     def contribution(self) -> HeadScores:
         """Contribution weight, intra-head: ``c[h,i,j] = <o[i,h], alpha[h,i,j] vt[j,h]> / ‖o[i,h]‖²``.
 
         Sums to 1 over ``j``; can be negative. NaN where ``‖o[i,h]‖ = 0``.
         """
-        return _safe_div(self.pattern * self.dot_head, (self.head_out_norm**2)[..., None])
+        return self._get("contribution")
 
     def head_share(self) -> HeadScores:
         """Per-head share of the inter-head weight: ``c[h→i,j] = <o[i], alpha[h,i,j] vt[j,h]> / ‖o[i]‖²``.
 
         Sums to 1 over ``(h, j)``. NaN where ``‖o[i]‖ = 0``.
         """
-        return _safe_div(self.pattern * self.dot_layer, (self.layer_out_norm**2)[:, None, :, None])
+        return self._get("head_share")
 
     def contribution_inter(self) -> LayerScores:
         """Contribution weight, inter-head: ``c[i,j] = <o[i], sum_h alpha[h,i,j] vt[j,h]> / ‖o[i]‖² = sum_h c[h→i,j]``."""
-        return self.head_share().sum(dim=1)
+        return self._get("contribution_inter")
 
     def factor_norm_ratio(self) -> HeadScores:
         """Relative magnitude factor ``‖vt[j,h]‖ / ‖o[i,h]‖`` (NaN where ``‖o[i,h]‖ = 0``)."""
-        return _safe_div(
-            self.vt_norm[:, :, None, :].expand_as(self.pattern), self.head_out_norm[..., None].expand_as(self.pattern)
-        )
+        return self._get("factor_norm_ratio")
 
     def factor_cos(self) -> HeadScores:
         """Directional alignment factor ``cos(o[i,h], vt[j,h])``.
@@ -195,16 +241,237 @@ class LayerGeometry:
         NaN where ``‖o[i,h]‖ = 0``; 0 where ``‖vt[j,h]‖ = 0``. With the other two factors,
         ``c[h,i,j] = alpha * (‖vt‖/‖o‖) * cos``.
         """
-        den = self.head_out_norm[..., None] * self.vt_norm[:, :, None, :]
-        cos = _safe_div(self.dot_head, den)
-        zero_v = (self.vt_norm == 0)[:, :, None, :].expand_as(cos)
-        return torch.where(zero_v & (self.head_out_norm[..., None] > 0), torch.zeros_like(cos), cos)
+        return self._get("factor_cos")
 
     def intra(self, name: str) -> HeadScores:
         return getattr(self, name)()
 
     def inter(self, name: str) -> LayerScores:
-        return getattr(self, "contribution_inter" if name == "contribution" else f"{name}_inter")()
+        return getattr(self, _inter_key(name))()
+
+    # ---- the blocked sweep
+    def _get(self, key: str) -> Tensor:
+        if key not in self._metrics:
+            self._sweep([key])
+        return self._metrics[key]
+
+    def compute(
+        self,
+        intra: Sequence[str] = INTRA_METRICS,
+        inter: Sequence[str] = INTER_METRICS,
+        *,
+        out_intra: dict[str, Tensor] | None = None,
+        out_inter: dict[str, Tensor] | None = None,
+    ) -> tuple[dict[str, HeadScores], dict[str, LayerScores]]:
+        """Several metrics in one blocked sweep: ``({intra name: [b h q k]}, {inter name: [b q k]})``.
+
+        ``out_intra`` / ``out_inter`` optionally give tensors (or views) of the right shape to write the
+        metrics into, e.g. to reuse memory across layers; the returned tensors are then those.
+        """
+        keys = [m for m in intra if m != "attention"]
+        keys += [_inter_key(m) for m in inter]
+        buffers = dict(out_intra or {})
+        buffers.update({_inter_key(m): t for m, t in (out_inter or {}).items()})
+        self._sweep([k for k in keys if k not in self._metrics], buffers)
+        return {m: self.intra(m) for m in intra}, {m: self.inter(m) for m in inter}
+
+    def _sweep(self, keys: Sequence[str], buffers: dict[str, Tensor] | None = None) -> None:
+        """Compute ``keys`` into ``self._metrics``, one block of queries ``q0:q1`` at a time against keys ``0:q1``.
+
+        Shared products are arranged so that each output costs one pass per block: with
+        ``u[i,h] = o[i,h] @ W_O[h].T`` scaled by ``1/‖o[i,h]‖`` and ``v[j,h]`` by ``1/‖vt[j,h]‖``, one matmul
+        gives ``cos``; then ``c = (alpha ‖vt‖/‖o‖) * cos``. With ``o[i] @ W_O[h].T`` scaled by ``1/‖o[i]‖²``,
+        one matmul times ``alpha`` gives the head shares, whose sum over heads is ``c[i,j]``.
+        """
+        if not keys:
+            return
+        with torch.no_grad():
+            self._sweep_blocks(set(keys), buffers or {})
+
+    def _sweep_blocks(self, want: set[str], buffers: dict[str, Tensor]) -> None:
+        alpha = self.pattern
+        B, H, Q, _ = alpha.shape
+        need_cos = bool(want & {"factor_cos", "contribution"})
+        need_vwn = bool(want & {"value_weighted_normalized", "contribution"})
+        need_vw = need_vwn or "value_weighted" in want
+        need_share = bool(want & {"head_share", "contribution_inter"})
+        need_vwi = bool(want & {"value_weighted_inter", "value_weighted_normalized_inter"})
+        need_oh = need_cos or need_vwn or "factor_norm_ratio" in want
+
+        out = {}
+        for k in want:
+            shape = (B, Q, Q) if k.endswith("_inter") else (B, H, Q, Q)
+            buf = buffers.get(k)
+            if buf is not None and (tuple(buf.shape) != shape or buf.dtype != alpha.dtype):
+                raise ValueError(
+                    f"buffer for {k!r} is {tuple(buf.shape)} {buf.dtype}, need {shape} {alpha.dtype}"
+                )
+            out[k] = alpha.new_empty(shape) if buf is None else buf
+        vt_norm = (
+            self.vt_norm[:, :, None, :] if (need_vw or "factor_norm_ratio" in want) else None
+        )  # [b h 1 k]
+        inv_oh = _inv_or_nan(self.head_out_norm)[..., None] if need_oh else None  # [b h q 1]
+        inv_ol = _inv_or_nan(self.layer_out_norm) if need_share or need_vwi else None  # [b q]
+        v_t = einops.rearrange(self.v, "b k h d -> b h d k").contiguous()  # sliced per block, never copied
+        if need_cos:
+            assert inv_oh is not None
+            u_cos = einops.rearrange(self.head_u, "b q h d -> b h q d") * inv_oh
+            v_cos = v_t * _inv_or_zero(self.vt_norm)[:, :, None, :]
+        if need_share:
+            assert inv_ol is not None
+            u_share = einops.rearrange(self.layer_u, "b q h d -> b h q d") * (inv_ol**2)[:, None, :, None]
+        if need_vwi:
+            gram = einops.rearrange(self.gram, "b k h g -> h g b k").contiguous()
+        # alpha-weighted outputs are already 0 above the diagonal, except in NaN rows; factors never are
+        factors = [out[k] for k in ("factor_norm_ratio", "factor_cos") if k in out]
+        others = [t for k, t in out.items() if k not in ("factor_norm_ratio", "factor_cos")]
+        nan_h = inv_oh.isnan()[..., 0].any((0, 1)) if inv_oh is not None else torch.zeros(Q, dtype=torch.bool)
+        nan_l = inv_ol.isnan().any(0) if inv_ol is not None else torch.zeros(Q, dtype=torch.bool)
+        nan_rows = (nan_h | nan_l).tolist()
+
+        for q0 in range(0, Q, self.block_size):
+            q1 = min(q0 + self.block_size, Q)
+            a = alpha[:, :, q0:q1, :q1]
+
+            def dst(key: str, q0: int = q0, q1: int = q1) -> Tensor | None:
+                return out[key][..., q0:q1, :q1] if key in out else None
+
+            if need_vw:
+                assert vt_norm is not None
+                vw = _value_weighted(a, vt_norm[..., :q1], out=dst("value_weighted"))
+            if need_vwn:
+                assert inv_oh is not None
+                vwn = _value_weighted_normalized(
+                    vw, inv_oh[:, :, q0:q1], out=dst("value_weighted_normalized")
+                )
+            if "factor_norm_ratio" in want:
+                assert vt_norm is not None and inv_oh is not None
+                _factor_norm_ratio(vt_norm[..., :q1], inv_oh[:, :, q0:q1], out=dst("factor_norm_ratio"))
+            if need_cos:
+                cos = _factor_cos(u_cos[:, :, q0:q1], v_cos[..., :q1], out=dst("factor_cos"))
+            if "contribution" in want:
+                _contribution(vwn, cos, out=dst("contribution"))
+            if need_share:
+                share = _head_share(a, u_share[:, :, q0:q1], v_t[..., :q1], out=dst("head_share"))
+            if "contribution_inter" in want:
+                _contribution_inter(share, out=dst("contribution_inter"))
+            if "attention_inter" in want:
+                _attention_inter(a, out=dst("attention_inter"))
+            if need_vwi:
+                vwi = _value_weighted_inter(a, gram[..., :q1], out=dst("value_weighted_inter"))
+            if "value_weighted_normalized_inter" in want:
+                assert inv_ol is not None
+                _value_weighted_normalized_inter(
+                    vwi, inv_ol[:, q0:q1, None], out=dst("value_weighted_normalized_inter")
+                )
+
+            # not sources: keys after the block, and the block's own upper triangle (key > query)
+            for t in out.values():
+                t[..., q0:q1, q1:] = 0
+            for t in factors + (others if any(nan_rows[q0:q1]) else []):
+                t[..., q0:q1, q0:q1].tril_()
+        self._metrics.update(out)
+
+
+def _inter_key(name: str) -> str:
+    return "contribution_inter" if name == "contribution" else f"{name}_inter"
+
+
+_WO_GRAMS: OrderedDict[tuple[Any, ...], tuple[Tensor, Tensor]] = OrderedDict()
+
+
+def _wo_gram_full(W_O: WO) -> Float[Tensor, "head_index d_head head_index2 d_head2"]:
+    """``W_O[h] @ W_O[g].T`` for all head pairs, kept for the last 64 weight tensors seen.
+
+    A weight-only product: computed once per layer rather than once per forward pass. An entry is used
+    only if the stored copy of ``W_O`` still equals the tensor given (``torch.equal``), so freed and
+    reused memory or an in-place edit of the weights can never return a stale Gram matrix.
+    """
+    w_o = W_O.detach()
+    key = (w_o.data_ptr(), tuple(w_o.shape), tuple(w_o.stride()), w_o.dtype, str(w_o.device))
+    hit = _WO_GRAMS.get(key)
+    if hit is not None and torch.equal(hit[0], w_o):
+        _WO_GRAMS.move_to_end(key)
+        return hit[1]
+    w = einops.rearrange(w_o, "h d m -> (h d) m")
+    gram = einops.rearrange(w @ w.T, "(h d) (g e) -> h d g e", h=w_o.shape[0], g=w_o.shape[0])
+    _WO_GRAMS[key] = (w_o.clone(), gram)
+    _WO_GRAMS.move_to_end(key)
+    while len(_WO_GRAMS) > 64:
+        _WO_GRAMS.popitem(last=False)
+    return gram
+
+
+# ---- the formulas of SPEC.md §A on one block of queries (views, ``out=`` a view of the result)
+
+
+def _value_weighted(alpha: Tensor, vt_norm: Tensor, out: Tensor | None) -> Tensor:
+    """``alpha[h,i,j] * ‖vt[j,h]‖``."""
+    return torch.mul(alpha, vt_norm, out=out)
+
+
+def _value_weighted_normalized(vw: Tensor, inv_o: Tensor, out: Tensor | None) -> Tensor:
+    """``alpha[h,i,j] * ‖vt[j,h]‖ / ‖o[i,h]‖`` (``inv_o = 1/‖o[i,h]‖``, NaN where ``‖o[i,h]‖ = 0``)."""
+    return torch.mul(vw, inv_o, out=out)
+
+
+def _factor_norm_ratio(vt_norm: Tensor, inv_o: Tensor, out: Tensor | None) -> Tensor:
+    """``‖vt[j,h]‖ / ‖o[i,h]‖``."""
+    return torch.mul(vt_norm, inv_o, out=out)
+
+
+def _factor_cos(u_unit: Tensor, v_unit: Tensor, out: Tensor | None) -> Tensor:
+    """``cos(o[i,h], vt[j,h]) = (o[i,h] @ W_O[h].T / ‖o[i,h]‖) . (v[j,h] / ‖vt[j,h]‖)``, one matmul in ``d_head``.
+
+    ``u_unit [b h q d]`` is ``o @ W_O[h].T / ‖o‖`` (NaN rows where ``‖o‖ = 0``); ``v_unit [b h d k]`` is
+    ``v / ‖vt‖`` (0 where ``‖vt‖ = 0``, giving a cosine of 0).
+    """
+    return torch.matmul(u_unit, v_unit, out=out)
+
+
+def _contribution(vwn: Tensor, cos: Tensor, out: Tensor | None) -> Tensor:
+    """``c[h,i,j] = <o[i,h], alpha[h,i,j] vt[j,h]> / ‖o[i,h]‖² = (alpha ‖vt[j,h]‖ / ‖o[i,h]‖) * cos(o[i,h], vt[j,h])``."""
+    return torch.mul(vwn, cos, out=out)
+
+
+def _head_share(alpha: Tensor, u_share: Tensor, v_t: Tensor, out: Tensor | None) -> Tensor:
+    """``c[h→i,j] = <o[i], alpha[h,i,j] vt[j,h]> / ‖o[i]‖² = alpha * v[j,h] . (o[i] @ W_O[h].T / ‖o[i]‖²)``.
+
+    ``u_share [b h q d]`` is ``o[i] @ W_O[h].T / ‖o[i]‖²``; ``v_t [b h d k]``.
+    """
+    share = torch.matmul(u_share, v_t, out=out)
+    return share.mul_(alpha)
+
+
+def _contribution_inter(share: Tensor, out: Tensor | None) -> Tensor:
+    """``c[i,j] = <o[i], sum_h alpha[h,i,j] vt[j,h]> / ‖o[i]‖² = sum_h c[h→i,j]``."""
+    return torch.sum(share, dim=1, out=out)
+
+
+def _attention_inter(alpha: Tensor, out: Tensor | None) -> Tensor:
+    """``mean_h alpha[h,i,j]``."""
+    return torch.mean(alpha, dim=1, out=out)
+
+
+def _value_weighted_inter(
+    alpha: Float[Tensor, "batch head_index q k"],
+    gram: Float[Tensor, "head_index head_index2 batch k"],
+    out: Tensor | None = None,
+) -> Float[Tensor, "batch q k"]:
+    """``‖sum_h alpha[h,i,j] vt[j,h]‖ = sqrt(sum_{h,g} alpha[h,i,j] alpha[g,i,j] G_j[h,g])`` (``G`` symmetric)."""
+    n_heads = alpha.shape[1]
+    sq = torch.zeros_like(alpha[:, 0]) if out is None else out.zero_()
+    for h in range(n_heads):
+        acc = alpha[:, h] * gram[h, h][:, None, :]  # [b q k]
+        for g in range(h + 1, n_heads):
+            acc.addcmul_(alpha[:, g], gram[h, g][:, None, :], value=2.0)
+        sq.addcmul_(acc, alpha[:, h])
+    return sq.clamp_min_(0).sqrt_()
+
+
+def _value_weighted_normalized_inter(vwi: Tensor, inv_o: Tensor, out: Tensor | None) -> Tensor:
+    """``‖sum_h alpha[h,i,j] vt[j,h]‖ / ‖o[i]‖``."""
+    return torch.mul(vwi, inv_o, out=out)
 
 
 def _check_metrics(metrics: Sequence[str] | None, allowed: Sequence[str], kind: str) -> tuple[str, ...]:
@@ -224,7 +491,8 @@ class ContributionResult:
 
     ``intra[name]`` is ``[batch, layer, head_index, query_pos, key_pos]``; ``inter[name]`` is
     ``[batch, layer, query_pos, key_pos]``; ``layers[k]`` is the model layer at index ``k`` of the
-    layer axis. Entries above the diagonal (``key > query``) are 0.
+    layer axis. Entries above the diagonal (``key > query``, not sources) are 0 in every metric, factors
+    included; a row whose output norm is 0 is NaN at its sources ``key <= query`` (see the module docstring).
     """
 
     layers: list[int]
@@ -297,7 +565,10 @@ class ContributionCollector:
     Use ``collector.fwd_hooks`` with ``model.run_with_hooks``, ``model.hooks(...)`` or next to
     ``run_with_cache``; after the pass, :meth:`result` returns a :class:`ContributionResult`. With
     ``on_layer`` given, each layer's metrics go to that callback instead and nothing is stored
-    (``{"intra": {...}, "inter": {...}}`` per layer), so memory stays at one layer's worth.
+    (``{"intra": {...}, "inter": {...}}`` per layer), so memory stays at one layer's worth; with
+    ``reuse_buffers=True`` as well, every layer is written into the same tensors (no fresh memory per
+    layer), so the callback must copy whatever it keeps. Without ``on_layer``, the metrics are written
+    straight into the ``[batch, layer, ...]`` tensors of the result (no second copy).
 
     >>> import torch
     >>> from transformer_lens import HookedTransformer, HookedTransformerConfig
@@ -320,26 +591,72 @@ class ContributionCollector:
         inter: Sequence[str] | None = None,
         on_layer: Callable[[int, dict[str, dict[str, Tensor]]], None] | None = None,
         store_device: str | torch.device = "cpu",
+        reuse_buffers: bool = False,
     ) -> None:
+        if reuse_buffers and on_layer is None:
+            raise ValueError(
+                "reuse_buffers=True needs an on_layer callback (the buffers are overwritten per layer)"
+            )
         self.model = model
         self.intra_metrics = _check_metrics(intra, INTRA_METRICS, "intra-head")
         self.inter_metrics = _check_metrics(inter, INTER_METRICS, "inter-head")
         self.collector = LayerCollector(model, layers, self._on_layer)
         self.layers = self.collector.layers
         self.user_on_layer = on_layer
-        self.store_device = store_device
+        self.store_device = torch.device(store_device)
+        self.reuse_buffers = reuse_buffers
         self._intra: dict[int, dict[str, Tensor]] = {}
         self._inter: dict[int, dict[str, Tensor]] = {}
+        self._buffers: tuple[dict[str, Tensor], dict[str, Tensor]] | None = None
+        self._store: tuple[dict[str, Tensor], dict[str, Tensor]] | None = None
 
     @property
     def fwd_hooks(self) -> list[FwdHook]:
         return self.collector.fwd_hooks
 
+    def _out_tensors(self, acts: LayerActivations) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
+        """Where this layer's metrics are written: reused buffers, a slice of the result, or fresh memory."""
+        B, H, Q, _ = acts.pattern.shape
+        intra_metrics = [m for m in self.intra_metrics if m != "attention"]
+        dtype = acts.pattern.dtype
+        if self.user_on_layer is not None:
+            if not self.reuse_buffers:
+                return {}, {}
+            bufs = self._buffers
+            if bufs is None or any(t.shape != (B, H, Q, Q) for t in bufs[0].values()):
+                new = acts.pattern.new_empty
+                bufs = (
+                    {m: new((B, H, Q, Q)) for m in intra_metrics},
+                    {m: new((B, Q, Q)) for m in self.inter_metrics},
+                )
+                self._buffers = bufs
+            return bufs
+        if acts.pattern.device != self.store_device:
+            return {}, {}
+        L = len(self.layers)
+        store = self._store
+        if store is None or acts.layer in self._intra:  # first layer of a (new) pass: fresh result tensors
+            dev = self.store_device
+            store = (
+                {m: torch.empty((B, L, H, Q, Q), dtype=dtype, device=dev) for m in self.intra_metrics},
+                {m: torch.empty((B, L, Q, Q), dtype=dtype, device=dev) for m in self.inter_metrics},
+            )
+            self._store = store
+            self._intra, self._inter = {}, {}
+        li = self.layers.index(acts.layer)
+        return ({m: t[:, li] for m, t in store[0].items()}, {m: t[:, li] for m, t in store[1].items()})
+
     def _on_layer(self, acts: LayerActivations) -> None:
         geo = LayerGeometry.from_activations(acts)
+        out_intra, out_inter = self._out_tensors(acts)
         with torch.no_grad():
-            intra = {m: geo.intra(m).to(self.store_device) for m in self.intra_metrics}
-            inter = {m: geo.inter(m).to(self.store_device) for m in self.inter_metrics}
+            intra, inter = geo.compute(
+                self.intra_metrics, self.inter_metrics, out_intra=out_intra, out_inter=out_inter
+            )
+            if "attention" in out_intra:
+                intra["attention"] = out_intra["attention"].copy_(intra["attention"])
+            intra = {m: t.to(self.store_device) for m, t in intra.items()}
+            inter = {m: t.to(self.store_device) for m, t in inter.items()}
         if self.user_on_layer is not None:
             self.user_on_layer(acts.layer, {"intra": intra, "inter": inter})
         else:
@@ -356,8 +673,19 @@ class ContributionCollector:
                 f"no activations were collected for layer(s) {missing}; run the model with "
                 "collector.fwd_hooks first (or feed_cache)"
             )
-        intra = {m: torch.stack([self._intra[la][m] for la in self.layers], dim=1) for m in self.intra_metrics}
-        inter = {m: torch.stack([self._inter[la][m] for la in self.layers], dim=1) for m in self.inter_metrics}
+        if self._store is not None and all(
+            self._intra[la][m].data_ptr() == self._store[0][m][:, li].data_ptr()
+            for li, la in enumerate(self.layers)
+            for m in self.intra_metrics
+        ):
+            intra, inter = self._store  # written in place, layer by layer
+        else:
+            intra = {
+                m: torch.stack([self._intra[la][m] for la in self.layers], dim=1) for m in self.intra_metrics
+            }
+            inter = {
+                m: torch.stack([self._inter[la][m] for la in self.layers], dim=1) for m in self.inter_metrics
+            }
         return ContributionResult(
             layers=list(self.layers),
             tokens=tokens.detach().cpu(),
@@ -422,4 +750,3 @@ def reconstruct_attn_out(model: Any, acts: LayerActivations) -> Float[Tensor, "b
     geo = LayerGeometry.from_activations(acts)
     mixed = einops.einsum(geo.pattern, geo.v, "b h q k, b k h d -> b q h d")
     return head_outputs(mixed, geo.W_O).sum(dim=2) + acts.b_O
-

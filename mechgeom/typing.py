@@ -13,7 +13,7 @@ True
 from __future__ import annotations
 
 import torch
-from jaxtyping import Bool, Float, Int
+from jaxtyping import Bool, Float, Int, Integer
 from torch import Tensor
 
 __all__ = [
@@ -23,10 +23,12 @@ __all__ = [
     "HeadOut",
     "HeadScores",
     "Int",
+    "Integer",
     "LayerScores",
     "Pattern",
     "PatternMask",
     "QueryKey",
+    "SourceRanks",
     "Tensor",
     "Tokens",
     "Values",
@@ -51,6 +53,9 @@ HeadScores = Float[Tensor, "batch head_index query_pos key_pos"]
 LayerScores = Float[Tensor, "batch query_pos key_pos"]
 #: Any ``[query_pos, key_pos]`` matrix.
 QueryKey = Float[Tensor, "query_pos key_pos"]
+#: Per-query rank of each source (0 = top-ranked), ``rank_head`` is ``head_index`` or 1 (whole layer);
+#: a small integer dtype (uint8 up to 256 positions, else int16/int32).
+SourceRanks = Integer[Tensor, "batch rank_head query_pos key_pos"]
 #: Token ids.
 Tokens = Int[Tensor, "batch pos"]
 

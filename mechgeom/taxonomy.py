@@ -1,0 +1,470 @@
+"""Parameter-free head taxonomy (SPEC.md §B "Head taxonomy", paper B): Retriever, Mixer, Reset.
+
+For each head and query ``i``, the *source winner* is ``w_i = argmax_{j<=i} alpha[h,i,j] * ‖v[j,h]‖``
+(value space, GQA-expanded ``v``). Over the queries ``i > max(sink_positions)`` (``i >= 1`` with the
+default sink at 0): ``f_cur = mean[w_i = i]``, ``f_sink = mean[w_i ∈ sinks]``,
+``f_other = 1 − f_cur − f_sink``. A head is a **Retriever** if ``f_cur`` is the largest, a **Mixer**
+if ``f_sink`` is, a **Reset** otherwise.
+
+Choices fixed here:
+
+- **Ties in the winner**: the lower position wins (``torch.argmax`` returns the first maximum).
+- **Ties between fractions**: Retriever before Mixer before Reset (``f_cur >= f_sink, f_other`` gives
+  Retriever; else ``f_sink >= f_other`` gives Mixer; else Reset).
+- **Counts pool** every text and query of the analysed batch(es); the per-head table's columns
+  ``layer, head, label, f_cur, f_sink, f_other, sink_rate`` are stable (pruning imports them).
+- **Alignment**: ``cos_out_sink = mean_i cos(o[i,h], vt[s,h])`` with ``s`` the first sink position and
+  ``cos_out_cur = mean_i cos(o[i,h], vt[i,h])`` (``o[i,h] = z[i,h] @ W_O[h]``, ``vt = v @ W_O``,
+  bias excluded); zero norms are left out of the means.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import einops
+import numpy as np
+import pandas as pd
+import torch
+
+from mechgeom._progress import progress
+from mechgeom.hooks import FwdHook, LayerActivations, LayerCollector, head_outputs, run_hooks, to_tokens
+from mechgeom.typing import WO, Float, Int, Pattern, Tensor, Values, Z
+
+__all__ = [
+    "LABELS",
+    "TABLE_COLUMNS",
+    "AgreementResult",
+    "TaxonomyCollector",
+    "TaxonomyResult",
+    "classify_heads",
+    "classify_heads_from_cache",
+    "label_agreement",
+    "label_distribution",
+    "label_from_fractions",
+    "layer_taxonomy",
+    "plot_regime_grid",
+    "regime_summary",
+    "source_winners",
+]
+
+#: The three regimes, in tie-break order.
+LABELS = ("Retriever", "Mixer", "Reset")
+#: The stable leading columns of :meth:`TaxonomyResult.to_frame`.
+TABLE_COLUMNS = ("layer", "head", "label", "f_cur", "f_sink", "f_other", "sink_rate")
+#: Figure colours per regime.
+REGIME_COLORS = {"Retriever": "#d62728", "Mixer": "#1f77b4", "Reset": "#bbbbbb"}
+
+_SUMS = (
+    "n_queries",
+    "n_cur",
+    "n_sink",
+    "sink_mass",
+    "cos_sink_sum",
+    "cos_sink_n",
+    "cos_cur_sum",
+    "cos_cur_n",
+)
+
+
+def _check_sinks(sink_positions: int | Sequence[int], n_pos: int | None = None) -> tuple[int, ...]:
+    sinks = (
+        (int(sink_positions),) if isinstance(sink_positions, int) else tuple(int(p) for p in sink_positions)
+    )
+    if not sinks:
+        raise ValueError("sink_positions is empty; the taxonomy needs at least one sink position")
+    if any(p < 0 for p in sinks) or (n_pos is not None and any(p >= n_pos for p in sinks)):
+        raise IndexError(f"sink position(s) {list(sinks)} out of range for sequences of {n_pos} positions")
+    if len(set(sinks)) != len(sinks):
+        raise ValueError(f"duplicate sink positions in {list(sinks)}")
+    return sinks
+
+
+def source_winners(pattern: Pattern, v: Values) -> Int[Tensor, "batch head_index query_pos"]:
+    """Source winner ``w_i = argmax_{j<=i} alpha[h,i,j] * ‖v[j,h]‖`` (ties: the lower position).
+
+    ``v`` is the GQA-expanded ``hook_v``, ``[batch, pos, head_index, d_head]``.
+
+    >>> pat = torch.tensor([[[[1.0, 0.0], [0.5, 0.5]]]])
+    >>> v = torch.tensor([[[[1.0]], [[2.0]]]])
+    >>> source_winners(pat, v).tolist()
+    [[[0, 1]]]
+    """
+    if pattern.ndim != 4 or v.ndim != 4 or pattern.shape[-1] != pattern.shape[-2]:
+        raise ValueError(
+            f"need pattern [b, h, q, k] (q == k) and v [b, k, h, d]; got {tuple(pattern.shape)}, {tuple(v.shape)}"
+        )
+    b, h, _, k = pattern.shape
+    if tuple(v.shape[:3]) != (b, k, h):
+        raise ValueError(
+            f"v {tuple(v.shape)} does not match pattern {tuple(pattern.shape)}; expand GQA values first"
+        )
+    norm = einops.rearrange(v.norm(dim=-1), "b k h -> b h k")
+    score = pattern * norm[:, :, None, :]  # [b h q k]
+    causal = torch.ones(k, k, dtype=torch.bool, device=pattern.device).tril()
+    score = score.masked_fill(~causal, float("-inf"))
+    return score.argmax(dim=-1)
+
+
+def label_from_fractions(f_cur: float, f_sink: float, f_other: float) -> str:
+    """Retriever if ``f_cur`` is the largest, Mixer if ``f_sink`` is, Reset otherwise.
+
+    Ties go to the earlier of Retriever, Mixer, Reset:
+
+    >>> label_from_fractions(0.4, 0.4, 0.2), label_from_fractions(0.2, 0.4, 0.4), label_from_fractions(0.2, 0.3, 0.5)
+    ('Retriever', 'Mixer', 'Reset')
+    """
+    if any(np.isnan(x) for x in (f_cur, f_sink, f_other)):
+        raise ValueError("fractions are NaN: the head had no query to classify")
+    if f_cur >= f_sink and f_cur >= f_other:
+        return "Retriever"
+    if f_sink >= f_other:
+        return "Mixer"
+    return "Reset"
+
+
+def layer_taxonomy(
+    pattern: Pattern,
+    v: Values,
+    z: Z | None = None,
+    W_O: WO | None = None,
+    *,
+    sink_positions: Sequence[int] = (0,),
+) -> dict[str, Tensor]:
+    """Per-head sums for one layer: winner counts, sink mass and (with ``z``, ``W_O``) alignments.
+
+    Returns ``{name: [head_index]}`` for ``n_queries, n_cur, n_sink, sink_mass, cos_sink_sum, cos_sink_n,
+    cos_cur_sum, cos_cur_n`` plus ``winners`` ``[batch, head, query_pos]`` (``-1`` for the queries that
+    are not classified). Sums (not means), so several batches add up.
+    """
+    winners = source_winners(pattern, v)
+    b, h, _, k = pattern.shape
+    sinks = _check_sinks(sink_positions, k)
+    first = max(sinks) + 1
+    if first >= k:
+        raise ValueError(f"no query after the sink position(s) {list(sinks)} in sequences of {k} positions")
+    w = winners[:, :, first:]  # [b h nq]
+    pos = torch.arange(first, k, device=w.device)
+    is_sink = torch.zeros_like(w, dtype=torch.bool)
+    for s in sinks:
+        is_sink |= w == s
+    sums: dict[str, Tensor] = {
+        "n_queries": torch.full((h,), float(b * (k - first)), dtype=torch.float64),
+        "n_cur": (w == pos).sum(dim=(0, 2)).double(),
+        "n_sink": is_sink.sum(dim=(0, 2)).double(),
+        "sink_mass": pattern[:, :, first:, list(sinks)].sum(-1).sum(dim=(0, 2)).double(),
+    }
+    if z is not None and W_O is not None:
+        o = head_outputs(z, W_O)[:, first:].double()  # [b nq h m]
+        vt = head_outputs(v, W_O).double()  # [b k h m]
+        o_norm = o.norm(dim=-1)
+        sink_vt = vt[:, sinks[0]]  # [b h m]
+        cos_sink = einops.einsum(o, sink_vt, "b q h m, b h m -> b q h") / (
+            o_norm * sink_vt.norm(dim=-1)[:, None]
+        )
+        cur_vt = vt[:, first:]
+        cos_cur = (o * cur_vt).sum(-1) / (o_norm * cur_vt.norm(dim=-1))
+        for name, c in (("cos_sink", cos_sink), ("cos_cur", cos_cur)):
+            ok = torch.isfinite(c)
+            sums[f"{name}_sum"] = torch.where(ok, c, 0.0).sum(dim=(0, 1))
+            sums[f"{name}_n"] = ok.sum(dim=(0, 1)).double()
+    else:
+        for name in ("cos_sink_sum", "cos_sink_n", "cos_cur_sum", "cos_cur_n"):
+            sums[name] = torch.zeros(h, dtype=torch.float64)
+    out = {key: t.cpu() for key, t in sums.items()}
+    out["winners"] = torch.cat(
+        [torch.full((b, h, first), -1, dtype=winners.dtype, device=w.device), w], -1
+    ).cpu()
+    return out
+
+
+@dataclass
+class TaxonomyResult:
+    """Winner counts of every analysed head; :meth:`to_frame` gives the per-head table.
+
+    ``sums[name]`` is ``[layer, head_index]`` (see :func:`layer_taxonomy`); ``winners`` (kept on request)
+    is ``[batch, layer, head_index, query_pos]``.
+    """
+
+    layers: list[int]
+    sums: dict[str, Float[Tensor, "layer head_index"]]
+    sink_positions: tuple[int, ...] = (0,)
+    winners: Int[Tensor, "batch layer head_index query_pos"] | None = None
+    model_name: str = ""
+    corpus: str = ""
+    extras: dict[str, Any] = field(default_factory=dict)
+
+    def fractions(self) -> dict[str, Float[Tensor, "layer head_index"]]:
+        """``f_cur``, ``f_sink``, ``f_other`` and ``sink_rate`` per head."""
+        n = self.sums["n_queries"]
+        f_cur, f_sink = self.sums["n_cur"] / n, self.sums["n_sink"] / n
+        return {
+            "f_cur": f_cur,
+            "f_sink": f_sink,
+            "f_other": 1 - f_cur - f_sink,
+            "sink_rate": self.sums["sink_mass"] / n,
+        }
+
+    def to_frame(self) -> pd.DataFrame:
+        """One row per head: ``layer, head, label, f_cur, f_sink, f_other, sink_rate, cos_out_sink,
+        cos_out_cur, n_queries`` (the first seven are stable)."""
+        fr = self.fractions()
+        n_l, n_h = fr["f_cur"].shape
+        ll, hh = torch.meshgrid(torch.arange(n_l), torch.arange(n_h), indexing="ij")
+        cols = {k: t.flatten().numpy() for k, t in fr.items()}
+        df = pd.DataFrame(
+            {
+                "layer": np.asarray(self.layers)[ll.flatten().numpy()],
+                "head": hh.flatten().numpy(),
+                "label": [
+                    label_from_fractions(*x)
+                    for x in zip(cols["f_cur"], cols["f_sink"], cols["f_other"], strict=True)
+                ],
+                **cols,
+            }
+        )
+        with np.errstate(invalid="ignore", divide="ignore"):
+            df["cos_out_sink"] = (self.sums["cos_sink_sum"] / self.sums["cos_sink_n"]).flatten().numpy()
+            df["cos_out_cur"] = (self.sums["cos_cur_sum"] / self.sums["cos_cur_n"]).flatten().numpy()
+        df["n_queries"] = self.sums["n_queries"].flatten().numpy().astype(np.int64)
+        if self.corpus:
+            df["corpus"] = self.corpus
+        return df
+
+
+class TaxonomyCollector:
+    """Hook collector (on :class:`mechgeom.hooks.LayerCollector`) that accumulates winner counts.
+
+    ``fwd_hooks`` read ``hook_pattern``, ``hook_v`` and ``hook_z``; counts add up over as many forward
+    passes (or :meth:`feed_cache` calls) as you like; :meth:`result` returns a :class:`TaxonomyResult`.
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        layers: int | Sequence[int] | None = None,
+        *,
+        sink_positions: Sequence[int] = (0,),
+        keep_winners: bool = False,
+    ) -> None:
+        self.model = model
+        self.sink_positions = _check_sinks(sink_positions)
+        self.keep_winners = keep_winners
+        self.collector = LayerCollector(model, layers, self._on_layer)
+        self.layers = self.collector.layers
+        self._sums: dict[int, dict[str, Tensor]] = {}
+        self._winners: dict[int, list[Tensor]] = {la: [] for la in self.layers}
+
+    @property
+    def fwd_hooks(self) -> list[FwdHook]:
+        return self.collector.fwd_hooks
+
+    def _on_layer(self, acts: LayerActivations) -> None:
+        with torch.no_grad():
+            res = layer_taxonomy(acts.pattern, acts.v, acts.z, acts.W_O, sink_positions=self.sink_positions)
+        winners = res.pop("winners")
+        if self.keep_winners:
+            self._winners[acts.layer].append(winners)
+        prev = self._sums.get(acts.layer)
+        self._sums[acts.layer] = res if prev is None else {k: prev[k] + res[k] for k in res}
+
+    def feed_cache(self, cache: Any) -> None:
+        self.collector.feed_cache(cache)
+
+    def result(self, *, corpus: str = "") -> TaxonomyResult:
+        missing = [la for la in self.layers if la not in self._sums]
+        if missing:
+            raise RuntimeError(
+                f"no activations were collected for layer(s) {missing}; run the model with "
+                "collector.fwd_hooks first (or feed_cache)"
+            )
+        sums = {k: torch.stack([self._sums[la][k] for la in self.layers]) for k in _SUMS}
+        winners = None
+        if self.keep_winners:
+            winners = torch.stack([torch.cat(self._winners[la]) for la in self.layers], dim=1)
+        return TaxonomyResult(
+            layers=list(self.layers),
+            sums=sums,
+            sink_positions=self.sink_positions,
+            winners=winners,
+            model_name=str(getattr(self.model.cfg, "model_name", "")),
+            corpus=corpus,
+        )
+
+
+def classify_heads(
+    model: Any,
+    tokens_or_text: str | Sequence[str] | Tensor,
+    *,
+    layers: int | Sequence[int] | None = None,
+    sink_positions: Sequence[int] = (0,),
+    batch_size: int = 8,
+    keep_winners: bool = False,
+    extra_hooks: Sequence[FwdHook] = (),
+    corpus: str = "",
+    verbose: bool = False,
+) -> TaxonomyResult:
+    """Label every head of ``layers`` (default: all) from forward passes over ``tokens`` in batches.
+
+    ``extra_hooks`` run in the same passes, before mechgeom's readers (e.g. a pattern intervention).
+    """
+    tokens = to_tokens(model, tokens_or_text)
+    _check_sinks(sink_positions, tokens.shape[1])
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be positive, got {batch_size}")
+    col = TaxonomyCollector(model, layers, sink_positions=sink_positions, keep_winners=keep_winners)
+    starts = range(0, tokens.shape[0], batch_size)
+    for start in progress(starts, desc="taxonomy", enabled=verbose, total=len(starts)):
+        batch = tokens[start : start + batch_size]
+        run_hooks(model, batch, [*extra_hooks, *col.fwd_hooks], stop_at_layer=max(col.layers) + 1)
+    return col.result(corpus=corpus)
+
+
+def classify_heads_from_cache(
+    model: Any,
+    cache: Any,
+    *,
+    layers: int | Sequence[int] | None = None,
+    sink_positions: Sequence[int] = (0,),
+    keep_winners: bool = False,
+    corpus: str = "",
+) -> TaxonomyResult:
+    """The same labels from an ``ActivationCache`` holding ``hook_pattern``, ``hook_v``, ``hook_z``."""
+    col = TaxonomyCollector(model, layers, sink_positions=sink_positions, keep_winners=keep_winners)
+    col.feed_cache(cache)
+    return col.result(corpus=corpus)
+
+
+# --------------------------------------------------------------------------- tables
+
+
+def _check_table(table: pd.DataFrame) -> None:
+    missing = [c for c in ("layer", "head", "label") if c not in table.columns]
+    if missing:
+        raise ValueError(f"label table lacks column(s) {missing}; use TaxonomyResult.to_frame()")
+
+
+def label_distribution(table: pd.DataFrame, *, by: str | Sequence[str] | None = None) -> pd.DataFrame:
+    """Count and share of each label (all three listed, zeros included), optionally per group ``by``."""
+    _check_table(table)
+    keys = [] if by is None else ([by] if isinstance(by, str) else list(by))
+    rows = []
+    groups = [((), table)] if not keys else table.groupby(keys)
+    for key, g in groups:
+        key_t = key if isinstance(key, tuple) else (key,)
+        counts = g["label"].value_counts()
+        for label in LABELS:
+            n = int(counts.get(label, 0))
+            rows.append(
+                {**dict(zip(keys, key_t, strict=True)), "label": label, "n_heads": n, "share": n / len(g)}
+            )
+    return pd.DataFrame(rows)
+
+
+def regime_summary(table: pd.DataFrame) -> pd.DataFrame:
+    """Per regime: number and share of heads, mean fractions, sink rate and output alignments.
+
+    ``cos_out_sink`` is expected high for Mixers, ``cos_out_cur`` for Retrievers.
+    """
+    _check_table(table)
+    cols = [
+        c for c in ("f_cur", "f_sink", "f_other", "sink_rate", "cos_out_sink", "cos_out_cur") if c in table
+    ]
+    out = table.groupby("label")[cols].mean().reindex(list(LABELS))
+    out.insert(0, "n_heads", table["label"].value_counts().reindex(list(LABELS)).fillna(0).astype(int))
+    out.insert(1, "share", out["n_heads"] / len(table))
+    return out.reset_index()
+
+
+@dataclass
+class AgreementResult:
+    """Label agreement between corpora: ``pairwise`` (one row per pair), ``all_agree`` (share of heads
+    with the same label in every table) and ``confusion[(a, b)]`` (rows: labels in ``a``, columns: in
+    ``b``)."""
+
+    pairwise: pd.DataFrame
+    all_agree: float
+    confusion: dict[tuple[str, str], pd.DataFrame]
+
+
+def label_agreement(tables: Mapping[str, pd.DataFrame] | Sequence[pd.DataFrame]) -> AgreementResult:
+    """Agreement of head labels between two or more tables over the same ``(layer, head)`` set."""
+    named = dict(tables) if isinstance(tables, Mapping) else {f"t{i}": t for i, t in enumerate(tables)}
+    if len(named) < 2:
+        raise ValueError(f"need at least two label tables, got {len(named)}")
+    labels: dict[str, pd.Series] = {}
+    ref: set[tuple[int, int]] | None = None
+    for name, t in named.items():
+        _check_table(t)
+        s = t.set_index(["layer", "head"])["label"]
+        if not s.index.is_unique:
+            raise ValueError(f"table {name!r} has duplicate (layer, head) rows")
+        keys = set(s.index)
+        if ref is None:
+            ref = keys
+        elif keys != ref:
+            raise ValueError(f"table {name!r} covers other (layer, head) pairs than the first table")
+        labels[name] = s
+    names = list(labels)
+    index = labels[names[0]].index
+    aligned = pd.DataFrame({n: labels[n].reindex(index).to_numpy() for n in names}, index=index)
+    rows, confusion = [], {}
+    for i, a in enumerate(names):
+        for b in names[i + 1 :]:
+            rows.append(
+                {
+                    "a": a,
+                    "b": b,
+                    "n_heads": len(aligned),
+                    "agreement": float((aligned[a] == aligned[b]).mean()),
+                }
+            )
+            confusion[(a, b)] = (
+                pd.crosstab(
+                    pd.Categorical(aligned[a], LABELS), pd.Categorical(aligned[b], LABELS), dropna=False
+                )
+                .rename_axis(index=a, columns=b)
+                .astype(int)
+            )
+    all_agree = float((aligned.nunique(axis=1) == 1).mean())
+    return AgreementResult(pd.DataFrame(rows), all_agree, confusion)
+
+
+def plot_regime_grid(table: pd.DataFrame, *, ax: Any = None, title: str | None = None) -> Any:
+    """A layer × head grid coloured by regime (matplotlib); returns the figure."""
+    import matplotlib.pyplot as plt
+    from matplotlib.colors import ListedColormap
+    from matplotlib.patches import Patch
+
+    _check_table(table)
+    layers = sorted(table["layer"].unique())
+    n_heads = int(table["head"].max()) + 1
+    grid = np.full((len(layers), n_heads), np.nan)
+    li = {la: i for i, la in enumerate(layers)}
+    for la, hd, lab in zip(table["layer"], table["head"], table["label"], strict=True):
+        grid[li[la], int(hd)] = LABELS.index(lab)
+    if ax is None:
+        fig, ax = plt.subplots(figsize=(1.2 + 0.35 * n_heads, 1.0 + 0.22 * len(layers)))
+    else:
+        fig = ax.figure
+    cmap = ListedColormap([REGIME_COLORS[lab] for lab in LABELS])
+    ax.imshow(grid, cmap=cmap, vmin=-0.5, vmax=len(LABELS) - 0.5, aspect="auto", interpolation="nearest")
+    ax.set_xlabel("head")
+    ax.set_ylabel("layer")
+    ax.set_xticks(range(n_heads))
+    ax.set_yticks(range(len(layers)))
+    ax.set_yticklabels([str(la) for la in layers], fontsize=6)
+    ax.tick_params(axis="x", labelsize=6)
+    ax.legend(
+        handles=[Patch(color=REGIME_COLORS[lab], label=lab) for lab in LABELS],
+        loc="upper left",
+        bbox_to_anchor=(1.01, 1.0),
+        fontsize=7,
+        frameon=False,
+    )
+    if title:
+        ax.set_title(title, fontsize=9)
+    fig.tight_layout()
+    return fig

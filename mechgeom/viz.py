@@ -1,0 +1,296 @@
+"""circuitsvis views of contribution weights (presentation only: nothing here computes an analysis).
+
+- :func:`head_view` / :func:`layer_view`: ``circuitsvis.attention.attention_heads`` with the raw attention
+  pattern and the contribution weights of a head (or of every head of a layer, plus the inter-head
+  weights) shown side by side as if they were attention heads.
+- :func:`token_view`: ``circuitsvis.tokens.colored_tokens``, the signed weight of each source token for one
+  query.
+- :func:`save_html`: one self-contained offline HTML file (circuitsvis' bundled JavaScript, inlined; never the
+  unpkg CDN), written atomically.
+
+**Signed display.** Contribution weights can be negative and can exceed 1. Every view uses a diverging
+scale centred on 0: white at 0, :data:`POSITIVE_COLOR` (blue) for positive and :data:`NEGATIVE_COLOR` (red)
+for negative weights, saturating at ``±scale`` (default 1: a source that carries the whole output). Raw
+attention shares that scale, so an attention weight and a contribution weight of the same size get the same
+colour. The token view scales to ``max |w|`` of the query's sources so that small negative weights stay
+visible. NaN weights (a zero output norm, see :mod:`mechgeom.contribution`) are drawn as 0 (white) and the
+caption says how many there were. Entries above the diagonal are masked (grey) as circuitsvis does for
+causal attention.
+"""
+
+from __future__ import annotations
+
+import html
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+import torch
+
+from mechgeom._io import atomic_write
+from mechgeom.contribution import ContributionResult
+from mechgeom.typing import Float, Tensor
+
+__all__ = [
+    "NEGATIVE_COLOR",
+    "POSITIVE_COLOR",
+    "View",
+    "head_view",
+    "layer_view",
+    "save_html",
+    "token_view",
+]
+
+#: Colour of negative weights (ColorBrewer RdBu red).
+NEGATIVE_COLOR = "#b2182b"
+#: Colour of positive weights (ColorBrewer RdBu blue).
+POSITIVE_COLOR = "#2166ac"
+
+_LABELS = {
+    "attention": "attention",
+    "value_weighted": "value-weighted",
+    "value_weighted_normalized": "value-weighted (normalised)",
+    "contribution": "contribution",
+    "head_share": "head share",
+    "factor_norm_ratio": "norm ratio",
+    "factor_cos": "cosine",
+}
+
+
+class _Rendered(Protocol):
+    """What circuitsvis returns (``RenderedHTML``): the same view with inlined JS or with a CDN import."""
+
+    local_src: str
+    cdn_src: str
+
+
+@dataclass
+class View:
+    """A titled list of circuitsvis panels, each with a caption. Shows itself in Jupyter (offline JS)."""
+
+    title: str
+    panels: list[tuple[str, _Rendered]] = field(default_factory=list)
+
+    def _repr_html_(self) -> str:
+        return "".join(_panel_html(caption, part) for caption, part in self.panels)
+
+
+def _panel_html(caption: str, part: _Rendered) -> str:
+    return f'<div class="mechgeom-panel"><p>{html.escape(caption)}</p>\n{part.local_src}\n</div>\n'
+
+
+# --------------------------------------------------------------------------- argument checks
+
+
+def _check_index(value: int, size: int, what: str) -> int:
+    if not isinstance(value, int) or not 0 <= value < size:
+        raise IndexError(f"{what} {value!r} out of range (0..{size - 1})")
+    return value
+
+
+def _intra(
+    result: ContributionResult, metric: str
+) -> Float[Tensor, "batch layer head_index query_pos key_pos"]:
+    if metric not in result.intra:
+        raise KeyError(f"intra-head metric {metric!r} is not in the result; it has {sorted(result.intra)}")
+    return result.intra[metric]
+
+
+def _inter(result: ContributionResult, metric: str) -> Float[Tensor, "batch layer query_pos key_pos"]:
+    if metric not in result.inter:
+        raise KeyError(f"inter-head metric {metric!r} is not in the result; it has {sorted(result.inter)}")
+    return result.inter[metric]
+
+
+def _tokens(result: ContributionResult, batch: int) -> list[str]:
+    if result.str_tokens is not None:
+        toks = list(result.str_tokens[batch])
+    else:
+        toks = [f"<{int(t)}>" for t in result.tokens[batch]]
+    # a token must not close circuitsvis' inline <script> element
+    return [t.replace("</", "<\u200b/") for t in toks]
+
+
+def _display(t: Tensor) -> tuple[Tensor, int]:
+    """NaN -> 0 for display, and how many NaNs there were."""
+    t = t.detach().float().cpu()
+    n_nan = int(t.isnan().sum())
+    return torch.nan_to_num(t, nan=0.0), n_nan
+
+
+def _nan_note(n_nan: int) -> str:
+    return f" {n_nan} NaN weights (zero output norm) drawn as 0." if n_nan else ""
+
+
+def _scale_note(scale: float) -> str:
+    return (
+        f"Diverging scale: blue > 0, red < 0, white = 0, saturating at ±{scale:g}; "
+        "grey cells are future tokens (key > query)."
+    )
+
+
+# --------------------------------------------------------------------------- views
+
+
+def _attention_heads(panels: list[Tensor], names: list[str], tokens: list[str], scale: float) -> _Rendered:
+    from circuitsvis.attention import attention_heads
+
+    return attention_heads(
+        attention=torch.stack(panels),  # [panel, query, key]
+        tokens=tokens,
+        attention_head_names=names,
+        max_value=scale,
+        min_value=-scale,
+        negative_color=NEGATIVE_COLOR,
+        positive_color=POSITIVE_COLOR,
+        mask_upper_tri=True,
+    )
+
+
+def head_view(
+    result: ContributionResult,
+    layer: int,
+    head: int,
+    *,
+    batch: int = 0,
+    metrics: Sequence[str] = ("attention", "contribution"),
+    scale: float = 1.0,
+) -> View:
+    """One head's ``metrics`` (default: raw attention and contribution weights) side by side.
+
+    Raises ``IndexError`` for a layer that was not analysed or a head/batch out of range, ``KeyError`` for a
+    metric the result does not hold.
+    """
+    li = result.layer_index(layer)
+    n_batch, _, n_heads = _intra(result, metrics[0]).shape[:3]
+    _check_index(batch, n_batch, "batch")
+    _check_index(head, n_heads, "head")
+    panels, n_nan = [], 0
+    for m in metrics:
+        t, n = _display(_intra(result, m)[batch, li, head])
+        panels.append(t)
+        n_nan += n
+    names = [f"{_LABELS.get(m, m)} L{layer}H{head}" for m in metrics]
+    view = _attention_heads(panels, names, _tokens(result, batch), scale)
+    caption = f"Layer {layer}, head {head}: {', '.join(names)}. " + _scale_note(scale) + _nan_note(n_nan)
+    return View(f"{result.model_name or 'model'} L{layer}H{head}", [(caption, view)])
+
+
+def layer_view(
+    result: ContributionResult,
+    layer: int,
+    *,
+    batch: int = 0,
+    metrics: Sequence[str] = ("attention", "contribution"),
+    scale: float = 1.0,
+) -> View:
+    """Every head of ``layer``: for each metric, one panel per head and then the inter-head (whole-layer)
+    panel (mean attention, layer contribution weights), where the result holds it."""
+    li = result.layer_index(layer)
+    n_batch, _, n_heads = _intra(result, metrics[0]).shape[:3]
+    _check_index(batch, n_batch, "batch")
+    panels, names, n_nan = [], [], 0
+    for m in metrics:
+        for h in range(n_heads):
+            t, n = _display(_intra(result, m)[batch, li, h])
+            panels.append(t)
+            names.append(f"{_LABELS.get(m, m)} H{h}")
+            n_nan += n
+        if m in result.inter:
+            t, n = _display(result.inter[m][batch, li])
+            panels.append(t)
+            names.append(f"{_LABELS.get(m, m)} layer")
+            n_nan += n
+    view = _attention_heads(panels, names, _tokens(result, batch), scale)
+    caption = f"Layer {layer}, {n_heads} heads and the whole layer. " + _scale_note(scale) + _nan_note(n_nan)
+    return View(f"{result.model_name or 'model'} layer {layer}", [(caption, view)])
+
+
+def token_view(
+    result: ContributionResult,
+    layer: int,
+    query: int,
+    *,
+    head: int | None = None,
+    batch: int = 0,
+    metric: str = "contribution",
+) -> View:
+    """The signed weight of each source ``j <= query`` for ``query`` (one head, or the whole layer when
+    ``head`` is None), as ``colored_tokens`` on a symmetric diverging scale ``±max |w|``."""
+    from circuitsvis.tokens import colored_tokens
+
+    li = result.layer_index(layer)
+    n_batch, n_pos = result.tokens.shape
+    _check_index(batch, n_batch, "batch")
+    _check_index(query, n_pos, "query")
+    if head is None:
+        row = _inter(result, metric)[batch, li, query, : query + 1]
+        where = f"layer {layer} (all heads)"
+    else:
+        full = _intra(result, metric)
+        _check_index(head, full.shape[2], "head")
+        row = full[batch, li, head, query, : query + 1]
+        where = f"layer {layer}, head {head}"
+    values, n_nan = _display(row)
+    top = float(values.abs().max()) or 1.0
+    tokens = _tokens(result, batch)
+    view = colored_tokens(
+        tokens=tokens[: query + 1],
+        values=values,
+        min_value=-top,
+        max_value=top,
+        negative_color=NEGATIVE_COLOR,
+        positive_color=POSITIVE_COLOR,
+    )
+    caption = (
+        f"{_LABELS.get(metric, metric)} of each source to query {query} ({tokens[query]!r}), {where}. "
+        f"Blue > 0, red < 0, white = 0, saturating at ±{top:.3g}; hover for the value." + _nan_note(n_nan)
+    )
+    return View(f"{result.model_name or 'model'} {where} query {query}", [(caption, view)])
+
+
+# --------------------------------------------------------------------------- writing
+
+
+def save_html(view: View | _Rendered | Sequence[View], path: str | Path, *, title: str | None = None) -> Path:
+    """Write ``view`` (a :class:`View`, a list of them, or a bare circuitsvis ``RenderedHTML``) as one
+    self-contained HTML file that works offline: each panel is circuitsvis' ``local_src``, which inlines its
+    bundled JavaScript; the CDN variant (``cdn_src``, an unpkg import) is never used.
+
+    The file appears only when complete (:func:`mechgeom._io.atomic_write`); an error leaves no file.
+    Raises ``ValueError`` if a panel would load a script from the network.
+    """
+    views: list[View]
+    if isinstance(view, View):
+        views = [view]
+    elif hasattr(view, "local_src"):
+        views = [View(title or "circuitsvis view", [("", view)])]  # type: ignore[list-item]
+    else:
+        views = list(view)  # type: ignore[arg-type]
+    page_title = title or " | ".join(v.title for v in views)
+    path = Path(path)
+    with atomic_write(path, "w") as f:
+        f.write(
+            '<!DOCTYPE html>\n<html>\n<head>\n<meta charset="utf-8">\n'
+            f"<title>{html.escape(page_title)}</title>\n</head>\n<body>\n"
+        )
+        for v in views:
+            f.write(f"<h2>{html.escape(v.title)}</h2>\n")
+            for caption, part in v.panels:
+                chunk = _panel_html(caption, part)
+                _check_offline(chunk)
+                f.write(chunk)
+        f.write("</body>\n</html>\n")
+    return path
+
+
+def _check_offline(chunk: str) -> None:
+    lowered = chunk.lower()
+    if (
+        "unpkg.com" in lowered
+        or re.search(r"<script[^>]*\bsrc\s*=", lowered)
+        or re.search(r"\bimport\b[^;\n]*\bfrom\s*[\"']https?://", lowered)
+    ):
+        raise ValueError("a panel loads JavaScript from the network; mechgeom writes offline HTML only")

@@ -1,0 +1,79 @@
+"""Head pruning on SmolLM2-135M (30 layers x 9 heads, 3 KV heads): exactness of the fast sweep and real properties."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from mechgeom.data import load_task
+from mechgeom.evaluation import perplexity, text_nll
+from mechgeom.hooks import has_hooks
+from mechgeom.pruning import (
+    head_ablation_hooks,
+    head_stats,
+    magnitude_order,
+    retention_curve,
+    score_choices,
+    single_head_sweep,
+    weight_magnitude,
+)
+
+pytestmark = pytest.mark.integration
+
+
+def test_fast_sweep_equals_full_forward(smollm2, smollm2_windows):
+    toks = smollm2_windows[:2]
+    heads = [(0, 0), (0, 4), (14, 3), (29, 8)]
+    fast = single_head_sweep(smollm2, toks, heads=heads, start_at_layer=True)
+    torch.testing.assert_close(fast.clean_nll, text_nll(smollm2, toks))
+    for layer, h in heads:
+        full = text_nll(smollm2, toks, head_ablation_hooks(smollm2, [(layer, h)]))
+        torch.testing.assert_close(fast.nll[layer, h], full, atol=1e-4, rtol=1e-5)
+    assert torch.isnan(fast.nll[1]).all()  # heads not asked for stay NaN
+    assert (fast.delta_ppl[0, 0] != 0).item()
+    assert not has_hooks(smollm2)
+
+
+def test_weight_magnitude_gqa_smollm2(smollm2):
+    attn = smollm2.blocks[3].attn
+    assert attn._W_V.shape == (3, 576, 64) and smollm2.W_V.shape == (30, 9, 576, 64)
+    mags = weight_magnitude(smollm2)
+    for layer, h in [(0, 0), (3, 4), (3, 8), (29, 2)]:
+        W_V = smollm2.blocks[layer].attn._W_V[h // 3]
+        ref = torch.linalg.matrix_norm(W_V.double() @ smollm2.blocks[layer].attn.W_O[h].double(), ord="fro")
+        assert mags[layer, h].item() == pytest.approx(ref.item(), rel=1e-4)
+    # heads sharing a KV head differ only through W_O, so their norms differ
+    assert len({round(mags[3, h].item(), 4) for h in range(3)}) == 3
+
+
+def test_head_stats_and_retention_smollm2(smollm2, smollm2_windows):
+    toks = smollm2_windows[:2]
+    stats = head_stats(smollm2, smollm2_windows[2:])
+    assert stats.z_mean.shape == (30, 9, 64) and stats.n_positions == 2 * 64
+    assert (stats.out_norm > 0).all()
+    assert (stats.entropy >= 0).all() and (stats.entropy <= math.log(64)).all()
+    frame = retention_curve(
+        smollm2, magnitude_order(smollm2), {"wikitext2": toks}, name="magnitude", levels=(1.0, 0.5)
+    )
+    assert frame["n_heads_kept"].tolist() == [270, 135]
+    assert frame["ppl"].iloc[0] == pytest.approx(perplexity(smollm2, toks), rel=1e-6)
+    assert frame["ppl"].iloc[1] > frame["ppl"].iloc[0]  # removing half the heads hurts
+    mean_hooks = head_ablation_hooks(smollm2, [(0, h) for h in range(9)], mode="mean", means=stats)
+    zero_hooks = head_ablation_hooks(smollm2, [(0, h) for h in range(9)])
+    assert perplexity(smollm2, toks, mean_hooks) != perplexity(smollm2, toks, zero_hooks)
+
+
+def test_choice_scores_equal_unbatched_smollm2(smollm2):
+    items = load_task("winogrande", n=2, seed=1)
+    scores = score_choices(smollm2, items, batch_size=4)
+    for i, item in enumerate(items):
+        prompt = smollm2.to_tokens(item.prompt)[0].tolist()
+        for c, choice in enumerate(item.choices):
+            cont = smollm2.to_tokens(choice, prepend_bos=False)[0].tolist()
+            with torch.no_grad():
+                logp = torch.log_softmax(smollm2(torch.tensor([prompt + cont]))[0].double(), dim=-1)
+            ref = sum(float(logp[len(prompt) - 1 + t, tok]) for t, tok in enumerate(cont))
+            assert scores[i, c].item() == pytest.approx(ref, rel=1e-5)
+    assert (scores < 0).all()

@@ -1,0 +1,297 @@
+"""The CLI's argument handling and the report's stage bookkeeping (resume, failure, skip), on tiny models."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import re
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from conftest import make_tiny, random_tokens
+
+from mechgeom import report
+from mechgeom.cli import build_parser, main
+from mechgeom.models import list_models
+
+FAST = ("contributions", "taxonomy")  # the cheapest stages keep these tests well under a second each
+ORIGINAL_STAGES = report.STAGES
+
+
+# --------------------------------------------------------------------------- argument errors
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        [],
+        ["nope"],
+        ["report", "--n-texts", "0"],
+        ["report", "--n-texts", "two"],
+        ["report", "--seq-len", "1"],
+        ["report", "--seed", "-1"],
+        ["report", "--corpus", "not-a-corpus"],
+        ["report", "--model", "gpt-9"],
+        ["contributions", "--text", "a", "--out", "x.csv", "--model", "gpt-9"],
+        ["report", "--unknown-flag"],
+        ["contributions", "--out", "x.csv"],  # neither --text nor --file
+        ["contributions", "--text", "a", "--file", "f.txt", "--out", "x.csv"],
+        ["contributions", "--text", "a"],  # no --out
+        ["contributions", "--text", "a", "--out", "x.txt"],  # unknown format
+        ["contributions", "--text", "a", "--out", "x.csv", "--layer", "-1"],
+        ["contributions", "--file", "does/not/exist.txt", "--out", "x.csv"],
+    ],
+)
+def test_bad_arguments_are_argparse_errors(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "usage: mechgeom" in err and "error:" in err
+
+
+def test_out_pointing_at_a_file_is_a_clear_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    f = tmp_path / "taken.txt"
+    f.write_text("not a directory")
+    with pytest.raises(SystemExit) as exc:
+        main(["report", "--quick", "--out", str(f)])
+    assert exc.value.code == 2
+    assert "is an existing file" in capsys.readouterr().err
+    assert f.read_text() == "not a directory"  # untouched
+    with pytest.raises(NotADirectoryError, match="existing file"):
+        report.build_report(f, model=make_tiny(), tokens=random_tokens(1, 6))
+    d = tmp_path / "dir.csv"
+    d.mkdir()
+    with pytest.raises(SystemExit) as exc:
+        main(["contributions", "--text", "hi", "--out", str(d)])
+    assert exc.value.code == 2
+
+
+def test_models_lists_the_offline_models(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["models"]) == 0
+    out = capsys.readouterr().out
+    assert out.splitlines() == list_models()
+    assert "smollm2-135m" in out
+
+
+def test_report_defaults_follow_the_presets() -> None:
+    args = build_parser().parse_args(["report"])
+    assert (args.model, args.corpus, args.out, args.quick) == (
+        "smollm2-135m",
+        "wikitext2",
+        Path("out/report"),
+        False,
+    )
+    assert args.n_texts is None and args.seq_len is None  # filled from PRESETS by build_report
+    assert report.PRESETS["quick"]["n_texts"] * report.PRESETS["quick"]["seq_len"] < (
+        report.PRESETS["default"]["n_texts"] * report.PRESETS["default"]["seq_len"]
+    )
+
+
+# --------------------------------------------------------------------------- the report's own numbers
+
+
+def test_score_summary_matches_python_loops() -> None:
+    g = torch.Generator().manual_seed(0)
+    b, h, n = 2, 3, 6
+    a = torch.rand(b, h, n, n, generator=g).tril()
+    a = a / a.sum(-1, keepdim=True)
+    vn = torch.rand(b, h, n, n, generator=g).tril()
+    c = (torch.randn(b, h, n, n, generator=g) * 0.5 + a).tril()
+    c[1, 2, 4] = float("nan")  # a zero-norm row: skipped, never a crash
+    c[1, 2, 4, 5] = 0.0  # (above the diagonal it is 0, as ContributionResult stores it)
+    got = report._score_summary(a, vn, c)
+    for hh in range(h):
+        sink_a, neg, tot, agree, tv, n_q, n_c = [], 0, 0, 0, [], 0, []
+        for bb in range(b):
+            for i in range(1, n):
+                sink_a.append(float(a[bb, hh, i, 0]))
+                row_c = [float(c[bb, hh, i, j]) for j in range(i + 1)]
+                row_a = [float(a[bb, hh, i, j]) for j in range(i + 1)]
+                top_a = max(range(i + 1), key=lambda j: (row_a[j], -j))
+                if any(math.isnan(x) for x in row_c):
+                    continue
+                n_q += 1
+                n_c.append(row_c[0])
+                neg += sum(x < 0 for x in row_c)
+                tot += i + 1
+                agree += top_a == max(range(i + 1), key=lambda j: (row_c[j], -j))
+                tv.append(0.5 * sum(abs(x - y) for x, y in zip(row_c, row_a, strict=True)))
+        assert got["sink_attention"][hh] == pytest.approx(sum(sink_a) / len(sink_a), rel=1e-6)
+        assert got["sink_contribution"][hh] == pytest.approx(sum(n_c) / len(n_c), rel=1e-6)
+        assert got["negative_share"][hh] == pytest.approx(neg / tot, rel=1e-6)
+        assert got["tv_attention_contribution"][hh] == pytest.approx(sum(tv) / len(tv), rel=1e-5)
+        assert got["top1_agreement"][hh] == pytest.approx(agree / n_q, rel=1e-6)
+
+
+def test_spread_layers() -> None:
+    assert report._spread_layers(30, 4) == [0, 10, 19, 29]
+    assert report._spread_layers(2, 4) == [0, 1]
+
+
+# --------------------------------------------------------------------------- stage bookkeeping
+
+
+def _counting_stages(
+    monkeypatch: pytest.MonkeyPatch, calls: Counter[str], fail: dict[str, BaseException]
+) -> None:
+    """Wrap every stage's run in a counter; a stage named in ``fail`` raises that exception instead."""
+
+    def wrap(stage: report.Stage) -> report.Stage:
+        inner = stage.run
+
+        def run(ctx: Any, p: dict[str, Any]) -> report.StageOutput:
+            calls[stage.name] += 1
+            if stage.name in fail:
+                raise fail[stage.name]
+            return inner(ctx, p)
+
+        return dataclasses.replace(stage, run=run)
+
+    monkeypatch.setattr(report, "STAGES", tuple(wrap(s) for s in ORIGINAL_STAGES))
+
+
+def _tiny_report(out: Path, **kw: Any) -> report.ReportResult:
+    kw.setdefault("tokens", random_tokens(2, 10, seed=1))
+    return report.build_report(out, model=make_tiny(n_kv=2), stages=FAST, verbose=False, **kw)
+
+
+def test_interrupted_report_resumes_without_recomputing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls: Counter[str] = Counter()
+    _counting_stages(monkeypatch, calls, {"taxonomy": KeyboardInterrupt()})
+    with pytest.raises(KeyboardInterrupt):
+        _tiny_report(tmp_path)
+    assert (tmp_path / "stages" / "contributions.json").is_file()
+    assert not (tmp_path / "stages" / "taxonomy.json").exists()
+    assert "status pending" in (tmp_path / "report.html").read_text()  # the page written after stage 1
+    first = (tmp_path / "contributions.csv").read_bytes()
+    mtime = (tmp_path / "stages" / "contributions.json").stat().st_mtime_ns
+
+    calls.clear()
+    _counting_stages(monkeypatch, calls, {})
+    res = _tiny_report(tmp_path)
+    assert calls == Counter({"taxonomy": 1})  # contributions was loaded, not recomputed
+    assert res.status() == {"contributions": "reused", "taxonomy": "computed"}
+    assert (tmp_path / "stages" / "contributions.json").stat().st_mtime_ns == mtime
+    assert (tmp_path / "contributions.csv").read_bytes() == first
+    page = (tmp_path / "report.html").read_text()
+    assert "status pending" not in page and page.count("<section") == 2
+    assert (tmp_path / "taxonomy.csv").is_file() and (tmp_path / "figures" / "taxonomy_regimes.png").is_file()
+
+    calls.clear()
+    res = _tiny_report(tmp_path)  # a third run reuses everything and loads nothing
+    assert calls == Counter() and set(res.status().values()) == {"reused"}
+
+
+def test_checkpoints_live_under_out_and_nothing_else_is_written(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    seen: list[Path] = []
+    inner = next(s for s in ORIGINAL_STAGES if s.name == "taxonomy")
+
+    def run(ctx: Any, p: dict[str, Any]) -> report.StageOutput:
+        seen.append(ctx.partial_path("sweep", ".csv"))
+        return inner.run(ctx, p)
+
+    monkeypatch.setattr(report, "STAGES", (dataclasses.replace(inner, run=run),))
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    monkeypatch.chdir(cwd)
+    out = tmp_path / "out"
+    report.build_report(
+        out, model=make_tiny(), tokens=random_tokens(1, 8), stages=["taxonomy"], verbose=False
+    )
+    assert seen and seen[0].parent == out / "partial" and seen[0].name.startswith("sweep-")
+    assert list(cwd.iterdir()) == []
+    assert not (out / "partial").exists()  # removed once the stage is done and left nothing there
+
+
+def test_changed_settings_recompute(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: Counter[str] = Counter()
+    _counting_stages(monkeypatch, calls, {})
+    _tiny_report(tmp_path)
+    _tiny_report(tmp_path, seed=3)  # another seed: another key
+    _tiny_report(tmp_path, seed=3, tokens=random_tokens(2, 10, seed=2))  # other tokens: another key
+    assert calls == Counter({"contributions": 3, "taxonomy": 3})
+    meta = json.loads((tmp_path / "stages" / "taxonomy.json").read_text())
+    assert meta["settings"]["seed"] == 3 and meta["settings"]["corpus"].startswith("tokens:")
+
+
+def test_a_missing_file_forces_recompute(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: Counter[str] = Counter()
+    _counting_stages(monkeypatch, calls, {})
+    _tiny_report(tmp_path)
+    (tmp_path / "taxonomy.csv").unlink()
+    _tiny_report(tmp_path)
+    assert calls == Counter({"contributions": 1, "taxonomy": 2})
+
+
+def test_failed_stage_is_reported_and_retried(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: Counter[str] = Counter()
+    _counting_stages(monkeypatch, calls, {"contributions": RuntimeError("boom")})
+    res = _tiny_report(tmp_path)
+    assert res.status() == {"contributions": "failed", "taxonomy": "computed"} and not res.ok
+    page = (tmp_path / "report.html").read_text()
+    assert "RuntimeError: boom" in page and "failed" in page
+    calls.clear()
+    _counting_stages(monkeypatch, calls, {})
+    res = _tiny_report(tmp_path)
+    assert calls == Counter({"contributions": 1}) and res.ok
+
+
+def test_missing_module_is_skipped_with_a_note(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    stages = tuple(
+        dataclasses.replace(s, module="mechgeom.not_there") if s.name == "taxonomy" else s
+        for s in report.STAGES
+    )
+    monkeypatch.setattr(report, "STAGES", stages)
+    res = _tiny_report(tmp_path)
+    assert res.status()["taxonomy"] == "skipped"
+    assert "not available: the module mechgeom.not_there" in (tmp_path / "report.html").read_text()
+    assert not (tmp_path / "stages" / "taxonomy.json").exists()
+
+
+def test_unknown_stage_and_bad_sizes(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="unknown stage"):
+        report.build_report(tmp_path, model=make_tiny(), tokens=random_tokens(1, 6), stages=["nope"])
+    with pytest.raises(ValueError, match="unknown corpus"):
+        report.build_report(tmp_path, model=make_tiny(), corpus="nope")
+    with pytest.raises(ValueError, match="seq_len"):
+        report.build_report(tmp_path, model=make_tiny(), n_texts=2, seq_len=1)
+
+
+def test_report_page_is_self_contained(tmp_path: Path) -> None:
+    _tiny_report(tmp_path)
+    page = (tmp_path / "report.html").read_text()
+    assert not re.search(r"<script[^>]*\bsrc\s*=", page, re.I)
+    assert not re.search(r"<link[^>]*\bhref\s*=\s*[\"']?https?:", page, re.I)
+    assert not re.search(r"@import\s+url\(\s*[\"']?https?:", page, re.I)
+    assert "unpkg.com" not in page and "sourceMappingURL" not in page
+    assert page.count("var CircuitsVis=") == 1  # the bundle once, however many views
+    assert page.count("CircuitsVis.render(") >= 1
+    assert page.count("data:image/png;base64,") == 2  # contributions heatmaps + taxonomy grid
+    for stem in ("contributions", "contributions_layers", "taxonomy", "taxonomy_regimes"):
+        assert (tmp_path / f"{stem}.csv").is_file()
+
+
+def test_contributions_html_inlines_the_bundle_once(tmp_path: Path) -> None:
+    from mechgeom import contribution_weights
+
+    model = make_tiny(n_kv=2)
+    res = contribution_weights(model, random_tokens(1, 7), layers=[0, 1], intra=["attention", "contribution"])
+    page = report.contributions_html(res, tmp_path / "all.html").read_text()
+    assert (
+        page.count("var CircuitsVis=") == 1 and page.count("CircuitsVis.render(") == 2
+    )  # one layer view each
+    assert not re.search(r"<script[^>]*\bsrc\s*=", page) and "unpkg.com" not in page
+    two = report.contributions_html(res, tmp_path / "two.html", heads=[1, 3]).read_text()
+    assert two.count("CircuitsVis.render(") == 4 and "L1H3" in two  # one head view per (layer, head)
+    with pytest.raises(IndexError):
+        report.contributions_html(res, tmp_path / "bad.html", heads=[4])
+    assert not (tmp_path / "bad.html").exists()

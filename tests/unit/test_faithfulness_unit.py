@@ -1,0 +1,476 @@
+"""Masking interventions, rankings and the resumable sweeps of mechgeom.faithfulness on tiny models.
+
+References are built by hand: per-query rankings by Python ``sorted`` over explicit loops, counts with
+exact fractions, and perplexities/accuracies from plain forward passes.
+"""
+
+from __future__ import annotations
+
+import math
+from fractions import Fraction
+from functools import partial
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+from conftest import make_tiny, random_tokens
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from mechgeom import faithfulness as fa
+from mechgeom.contribution import contribution_weights
+from mechgeom.data import TaskItem
+from mechgeom.evaluation import perplexity, text_nll
+from mechgeom.hooks import has_hooks, run_hooks
+
+GEO_METRICS = ("attention", "value_weighted", "value_weighted_normalized", "contribution")
+
+
+# --------------------------------------------------------------------------- brute-force references
+
+
+def brute_order(scores: list[float]) -> list[int]:
+    """Sources of one query, best first: larger score first, NaN last, ties by lower position."""
+    return sorted(
+        range(len(scores)),
+        key=lambda j: (math.isnan(scores[j]), 0.0 if math.isnan(scores[j]) else -scores[j], j),
+    )
+
+
+def brute_removed(scores: list[float], rate: float, mode: str) -> list[int]:
+    order = brute_order(scores)
+    n = math.ceil(Fraction(str(rate)) * len(scores))
+    return order[:n] if mode == "comprehensiveness" else order[len(scores) - n :]
+
+
+def brute_masks(model, tokens, metric: str, scope: str, rate: float, mode: str) -> dict[int, torch.Tensor]:
+    """``{layer: [batch, head, q, k]}`` masks from clean-pass scores, with explicit loops."""
+    res = contribution_weights(
+        model, tokens, intra=[metric] if scope == "intra" else [], inter=[metric] if scope == "inter" else []
+    )
+    b_n, pos = tokens.shape
+    n_heads = model.cfg.n_heads
+    masks = {}
+    for li, layer in enumerate(res.layers):
+        mask = torch.zeros(b_n, n_heads, pos, pos, dtype=torch.bool)
+        for b in range(b_n):
+            for h in range(n_heads):
+                for i in range(pos):
+                    if scope == "intra":
+                        row = res.intra[metric][b, li, h, i, : i + 1].tolist()
+                    else:
+                        row = res.inter[metric][b, li, i, : i + 1].tolist()
+                    for j in brute_removed(row, rate, mode):
+                        mask[b, h, i, j] = True
+        masks[layer] = mask
+    return masks
+
+
+def brute_hooks(masks: dict[int, torch.Tensor]):
+    def zero(pattern, hook, mask):
+        out = pattern.clone()
+        out[mask] = 0.0
+        return out
+
+    return [(f"blocks.{la}.attn.hook_pattern", partial(zero, mask=m)) for la, m in masks.items()]
+
+
+def run_capture(model, tokens, hooks, layers):
+    """Logits, and each layer's pattern before and after ``hooks`` (readers around them)."""
+    seen: dict[tuple[str, int], torch.Tensor] = {}
+
+    def read(pattern, hook, tag, layer):
+        seen[(tag, layer)] = pattern.detach().clone()
+
+    readers_pre = [(f"blocks.{la}.attn.hook_pattern", partial(read, tag="pre", layer=la)) for la in layers]
+    readers_post = [(f"blocks.{la}.attn.hook_pattern", partial(read, tag="post", layer=la)) for la in layers]
+    logits = run_hooks(model, tokens, [*readers_pre, *hooks, *readers_post], return_type="logits")
+    return logits, seen
+
+
+# --------------------------------------------------------------------------- counting and ranking
+
+
+def test_n_removed_is_exact_ceiling() -> None:
+    # 0.55 * 100 is 55.00000000000001 in binary floating point; np.arange gives 0.30000000000000004
+    for rate in [0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0, 0.25, 0.05, 0.55]:
+        want = [math.ceil(Fraction(str(rate)) * (i + 1)) for i in range(300)]
+        assert fa.n_removed(rate, 300).tolist() == want, rate
+    assert fa.n_removed(float(np.arange(0, 1, 0.1)[3]), 10)[-1] == 3
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    q=st.integers(1, 7),
+    values=st.lists(st.sampled_from([0.0, 1.0, -1.0, 0.5, 2.0, float("nan")]), min_size=49, max_size=49),
+)
+def test_rank_sources_matches_python_sort(q: int, values: list[float]) -> None:
+    # few distinct values -> many ties; NaN sprinkled in
+    scores = torch.tensor(values[: q * q]).view(q, q)
+    ranks = fa.rank_sources(scores)
+    assert ranks.dtype == torch.uint8
+    for i in range(q):
+        order = brute_order(scores[i, : i + 1].tolist())
+        assert [int(ranks[i, j]) for j in order] == list(range(i + 1))
+        assert all(int(ranks[i, j]) > i for j in range(i + 1, q))  # future sources never compete
+
+
+def test_rank_dtype_grows_with_length() -> None:
+    assert fa.rank_sources(torch.rand(300, 300)).dtype == torch.int16
+    r = fa.rank_sources(torch.rand(300, 300))
+    assert sorted(r[299].tolist()) == list(range(300))
+
+
+# --------------------------------------------------------------------------- the hook
+
+
+@pytest.mark.parametrize("scope", ["intra", "inter"])
+def test_rate_zero_gives_exactly_the_clean_logits(scope: str) -> None:
+    model = make_tiny(n_kv=2)
+    tokens = random_tokens(2, 10)
+    clean = run_hooks(model, tokens, [], return_type="logits")
+    rankings = fa.source_rankings(model, tokens, scope=scope)
+    for metric, ranking in rankings.items():
+        for mode in fa.MODES:
+            hooks = fa.masking_hooks(model, ranking=ranking, rate=0.0, mode=mode)
+            assert len(hooks) == model.cfg.n_layers
+            assert torch.equal(run_hooks(model, tokens, hooks, return_type="logits"), clean), (metric, mode)
+
+
+@pytest.mark.parametrize("metric", GEO_METRICS)
+@pytest.mark.parametrize("scope", ["intra", "inter"])
+@pytest.mark.parametrize("mode", fa.MODES)
+def test_ranked_mask_equals_brute_force(metric: str, scope: str, mode: str) -> None:
+    model = make_tiny(n_kv=2)
+    tokens = random_tokens(2, 10, seed=3)
+    rate = 0.3  # 0.3 * 10 must count 3, not 4
+    masks = brute_masks(model, tokens, metric, scope, rate, mode)
+    ranking = fa.source_rankings(model, tokens, [metric], scope=scope)[metric]
+    for layer, m in masks.items():
+        assert torch.equal(ranking.mask(layer, rate, mode).expand_as(m), m)
+    layers = list(masks)
+    mine, seen = run_capture(
+        model, tokens, fa.masking_hooks(model, ranking=ranking, rate=rate, mode=mode), layers
+    )
+    ref, seen_ref = run_capture(model, tokens, brute_hooks(masks), layers)
+    for la in layers:
+        assert torch.equal(seen[("post", la)], seen_ref[("post", la)])
+        # removed pairs are exactly 0, the rest untouched (no renormalisation)
+        pre, post = seen[("pre", la)], seen[("post", la)]
+        assert torch.equal(post, torch.where(masks[la], torch.zeros_like(pre), pre))
+        assert not torch.allclose(post.sum(-1), torch.ones_like(post.sum(-1)))
+    assert torch.allclose(mine, ref, atol=1e-6)
+    assert not torch.allclose(mine, run_hooks(model, tokens, [], return_type="logits"), atol=1e-3)
+
+
+@pytest.mark.parametrize("mode", fa.MODES)
+def test_rate_one_leaves_only_b_O(mode: str) -> None:
+    model = make_tiny(attn_only=True, b_O=True)
+    tokens = random_tokens(2, 9)
+    ranking = fa.source_rankings(model, tokens, ["contribution"])["contribution"]
+    outs: dict[int, torch.Tensor] = {}
+
+    def read(t, hook, layer):
+        outs[layer] = t.detach().clone()
+
+    readers = [(f"blocks.{la}.hook_attn_out", partial(read, layer=la)) for la in range(model.cfg.n_layers)]
+    run_hooks(model, tokens, [*fa.masking_hooks(model, ranking=ranking, rate=1.0, mode=mode), *readers])
+    for la in range(model.cfg.n_layers):
+        b_O = model.blocks[la].attn.b_O.detach()
+        assert b_O.abs().max() > 0.1
+        assert torch.allclose(outs[la], b_O.expand_as(outs[la]), atol=1e-6)
+
+
+def test_intra_ranking_is_applied_per_head() -> None:
+    model = make_tiny()
+    tokens = random_tokens(1, 12, seed=5)
+    res = contribution_weights(model, tokens, intra=["contribution"], inter=[])
+    ranking = fa.source_rankings(model, tokens, ["contribution"])["contribution"]
+    mask = ranking.mask(0, 0.5, "comprehensiveness")[0]  # [head, q, k]
+    assert mask.shape[0] == model.cfg.n_heads
+    assert any(not torch.equal(mask[0], mask[h]) for h in range(1, model.cfg.n_heads))
+    for h in range(model.cfg.n_heads):
+        for i in range(12):
+            want = set(
+                brute_removed(
+                    res.intra["contribution"][0, 0, h, i, : i + 1].tolist(), 0.5, "comprehensiveness"
+                )
+            )
+            assert set(torch.nonzero(mask[h, i]).flatten().tolist()) == want
+    # giving head 0 head 1's ranking changes the result
+    swapped = fa.SourceRanking("contribution", "intra", {la: r.clone() for la, r in ranking.ranks.items()})
+    swapped.ranks[0][:, 0] = ranking.ranks[0][:, 1]
+    a = run_hooks(model, tokens, fa.masking_hooks(model, ranking=ranking, rate=0.5), return_type="logits")
+    b = run_hooks(model, tokens, fa.masking_hooks(model, ranking=swapped, rate=0.5), return_type="logits")
+    assert not torch.allclose(a, b, atol=1e-4)
+    # inter-head: one ranking, the same mask on every head
+    inter = fa.source_rankings(model, tokens, ["contribution"], scope="inter")["contribution"]
+    assert inter.ranks[0].shape[1] == 1
+    _, seen = run_capture(model, tokens, fa.masking_hooks(model, ranking=inter, rate=0.5), [0])
+    zeros = seen[("post", 0)][0] == 0
+    assert all(torch.equal(zeros[0], zeros[h]) for h in range(model.cfg.n_heads))
+
+
+def test_explicit_mask_three_and_four_dims() -> None:
+    model = make_tiny()
+    tokens = random_tokens(2, 8)
+    g = torch.Generator().manual_seed(0)
+    m3 = torch.rand(2, 8, 8, generator=g) < 0.3
+    m4 = m3[:, None].expand(2, model.cfg.n_heads, 8, 8).clone()
+    a, seen = run_capture(model, tokens, fa.masking_hooks(model, mask=m3, layers=[1]), [1])
+    b = run_hooks(model, tokens, fa.masking_hooks(model, mask=m4, layers=[1]), return_type="logits")
+    assert torch.equal(a, b)
+    pre, post = seen[("pre", 1)], seen[("post", 1)]
+    assert torch.equal(post, torch.where(m4, torch.zeros_like(pre), pre))
+    # a layer dict masks only the named layers
+    c = run_hooks(model, tokens, fa.masking_hooks(model, mask={1: m3}), return_type="logits")
+    assert torch.equal(a, c)
+
+
+def test_random_ranking_reproducible_and_batch_independent() -> None:
+    model = make_tiny()
+    tokens = random_tokens(3, 10, seed=1)
+    a = fa.source_rankings(model, tokens, ["random"], seed=0)["random"]
+    b = fa.source_rankings(model, tokens, ["random"], seed=0)["random"]
+    c = fa.source_rankings(model, tokens, ["random"], seed=1)["random"]
+    alone = fa.source_rankings(model, tokens[1:2], ["random"], seed=0)["random"]
+    assert a.same_as(b)
+    assert not a.same_as(c)
+    assert all(torch.equal(a.ranks[la][1:2], alone.ranks[la]) for la in a.layers)
+    assert not torch.equal(a.ranks[0][0], a.ranks[1][0])  # layers draw differently
+    assert not torch.equal(a.ranks[0][0, 0], a.ranks[0][0, 1])  # heads draw differently (intra)
+
+
+# --------------------------------------------------------------------------- the sweeps
+
+
+def test_perplexity_curves_numbers_match_a_hand_computation() -> None:
+    model = make_tiny(n_kv=2)
+    tokens = random_tokens(4, 10, seed=7)
+    frame = fa.perplexity_curves(
+        model, tokens, ["contribution", "random"], rates=(0.0, 0.5), batch_size=3, verbose=False
+    )
+    assert list(frame.columns[:8]) == [
+        "metric",
+        "mode",
+        "rate",
+        "ppl",
+        "delta_ppl",
+        "delta_nll",
+        "ci_low",
+        "ci_high",
+    ]
+    assert {"n_texts", "layers", "scope"} <= set(frame.columns)
+    assert len(frame) == 2 * 2 * 2 and (frame["n_texts"] == 4).all() and (frame["layers"] == "all").all()
+    clean = perplexity(model, tokens)
+    assert np.allclose(frame["clean_ppl"], clean, rtol=1e-5)
+    zero = frame[frame["rate"] == 0]
+    assert (zero["delta_ppl"] == 0).all() and (zero["ci_low"] == 0).all()
+    for mode in fa.MODES:
+        masks = brute_masks(model, tokens, "contribution", "intra", 0.5, mode)
+        nll = text_nll(model, tokens, brute_hooks(masks), batch_size=4)
+        row = frame[
+            (frame["metric"] == "contribution") & (frame["mode"] == mode) & (frame["rate"] == 0.5)
+        ].iloc[0]
+        assert row["ppl"] == pytest.approx(float(torch.exp(nll.mean())), rel=1e-5)
+        assert row["delta_ppl"] == pytest.approx(row["ppl"] - clean, rel=1e-4)
+        clean_nll = text_nll(model, tokens)
+        assert row["delta_nll"] == pytest.approx(float((nll - clean_nll).mean()), rel=1e-4, abs=1e-6)
+        assert row["ci_low"] <= row["ci_high"]
+
+
+def test_resume_after_interruption_gives_the_same_table(tmp_path, monkeypatch) -> None:
+    model = make_tiny()
+    tokens = random_tokens(5, 8, seed=2)
+    kw = dict(
+        metrics=("attention", "contribution", "random"), rates=(0.0, 0.5, 1.0), batch_size=2, verbose=False
+    )
+    full = fa.perplexity_curves(model, tokens, out=tmp_path / "full.csv", **kw)
+
+    real = fa._masked_scores
+    calls = {"n": 0}
+
+    def flaky(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] > 7:
+            raise RuntimeError("simulated interruption")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(fa, "_masked_scores", flaky)
+    out = tmp_path / "run.csv"
+    with pytest.raises(RuntimeError, match="simulated"):
+        fa.perplexity_curves(model, tokens, out=out, **kw)
+    assert not has_hooks(model)
+    assert not out.exists()
+    partial_rows = pd.read_csv(tmp_path / "run.per_text.csv")
+    assert 0 < len(partial_rows) < len(pd.read_csv(tmp_path / "full.per_text.csv"))
+
+    counted = {"n": 0}
+
+    def counting(*args, **kwargs):
+        counted["n"] += 1
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(fa, "_masked_scores", counting)
+    resumed = fa.perplexity_curves(model, tokens, out=out, **kw)
+    pd.testing.assert_frame_equal(resumed, full)
+    pd.testing.assert_frame_equal(pd.read_csv(out), pd.read_csv(tmp_path / "full.csv"))
+    rec = pd.read_csv(tmp_path / "run.per_text.csv")
+    assert not rec.duplicated(["metric", "mode", "rate", "unit_hash"]).any()
+    assert len(rec) == len(pd.read_csv(tmp_path / "full.per_text.csv"))
+    # 3 batches x 3 metrics x 2 modes x 2 rates = 36 passes; 7 were done before the interruption
+    assert counted["n"] == 36 - 7
+
+    # a finished sweep reruns without a forward pass; other settings are refused
+    counted["n"] = 0
+    fa.perplexity_curves(model, tokens, out=out, **kw)
+    assert counted["n"] == 0
+    with pytest.raises(ValueError, match="seed"):
+        fa.perplexity_curves(model, tokens, out=out, seed=1, **kw)
+    with pytest.raises(ValueError, match="scope"):
+        fa.perplexity_curves(model, tokens, out=out, scope="inter", **kw)
+
+
+def test_task_accuracy_matches_per_sequence_scoring(tmp_path, monkeypatch) -> None:
+    model = make_tiny(n_ctx=40)
+    vocab = model.cfg.d_vocab
+
+    def encode(_model, text, *, prepend_bos):
+        return [ord(ch) % vocab for ch in text]
+
+    monkeypatch.setattr(fa, "_encode", encode)
+    items = [
+        TaskItem("boolq", "the sky is blue. is it?", (" no", " yes"), 1),
+        TaskItem("boolq", "water is dry? answer", (" no", " yes"), 0),
+        TaskItem("mmlu", "pick one:", (" A", " B", " C", " D"), 2),
+        TaskItem("winogrande", "she gave him", (" the cat back", " a book"), 0),
+    ]
+    frame = fa.task_accuracy_curves(
+        model,
+        items,
+        ["attention", "random"],
+        rates=(0.0, 0.5),
+        batch_size=3,
+        out=tmp_path / "t.csv",
+        verbose=False,
+    )
+    units, owner = fa._task_units(model, items, 40)
+    rec = pd.read_csv(tmp_path / "t.per_choice.csv")
+    preds: dict[tuple[str, str, float], list[int]] = {}
+    for key in [("clean", "clean", 0.0)] + [(m, mo, 0.5) for m in ("attention", "random") for mo in fa.MODES]:
+        scores = {}
+        for u, (i, c) in enumerate(owner):
+            seq = units.tokens[u, : units.lengths[u]][None]
+            n_ctx = int(torch.nonzero(units.targets[u])[0]) + 1
+            hooks = []
+            if key[0] != "clean":
+                ranking = fa.source_rankings(model, seq, [key[0]])[key[0]]
+                hooks = fa.masking_hooks(model, ranking=ranking, rate=key[2], mode=key[1])
+            logp = run_hooks(model, seq, hooks, return_type="logits").log_softmax(-1)[0]
+            want = sum(float(logp[t - 1, seq[0, t]]) for t in range(n_ctx, seq.shape[1]))
+            got = rec[
+                (rec.metric == key[0])
+                & (rec["mode"] == key[1])
+                & (rec.rate == key[2])
+                & (rec.unit_hash == units.hashes[u])
+            ]
+            assert len(got) == 1
+            assert got["logprob"].iloc[0] == pytest.approx(want, rel=1e-4, abs=1e-4)
+            scores[(i, c)] = want
+        preds[key] = [
+            int(np.argmax([scores[(i, c)] for c in range(len(it.choices))])) for i, it in enumerate(items)
+        ]
+    correct = {
+        k: np.array([p == it.answer for p, it in zip(v, items, strict=True)], dtype=float)
+        for k, v in preds.items()
+    }
+    for _, row in frame.iterrows():
+        sel = np.array([row.task in ("all", it.task) for it in items])
+        key = ("clean", "clean", 0.0) if row.rate == 0 else (row.metric, row["mode"], row.rate)
+        assert row.accuracy == pytest.approx(correct[key][sel].mean())
+        assert row.delta_accuracy == pytest.approx(
+            (correct[key][sel] - correct[("clean", "clean", 0.0)][sel]).mean()
+        )
+    assert set(frame.task) == {"boolq", "mmlu", "winogrande", "all"}
+    assert (frame[frame.task == "all"].n_items == 4).all()
+
+
+# --------------------------------------------------------------------------- errors and plots
+
+
+def test_bad_input_is_refused_clearly() -> None:
+    model = make_tiny()
+    tokens = random_tokens(2, 6)
+    run = partial(fa.perplexity_curves, model, tokens, verbose=False)
+    for rates in [(-0.1,), (1.5,), (float("nan"),), ()]:
+        with pytest.raises(ValueError, match="rate"):
+            run(rates=rates)
+    with pytest.raises(ValueError, match=r"unknown intra-head ranking metric.*'foo'"):
+        run(metrics=("contribution", "foo"))
+    with pytest.raises(ValueError, match="unknown mode 'comprehensive'"):
+        run(modes=("comprehensive",))
+    with pytest.raises(ValueError, match="scope"):
+        run(scope="layer")
+    with pytest.raises(ValueError, match="empty corpus"):
+        fa.perplexity_curves(model, torch.zeros(0, 6, dtype=torch.long), verbose=False)
+    with pytest.raises(ValueError, match="empty corpus"):
+        fa.perplexity_curves(model, [], verbose=False)
+    with pytest.raises(ValueError, match="batch_size"):
+        run(batch_size=0)
+    with pytest.raises(ValueError, match=r"\.csv or \.parquet"):
+        run(out="table.txt")
+    with pytest.raises(IndexError, match="out of range"):
+        run(layers=[5])
+    with pytest.raises(ValueError, match="no items"):
+        fa.task_accuracy_curves(model, [], verbose=False)
+    ranking = fa.source_rankings(model, tokens, ["attention"])["attention"]
+    with pytest.raises(ValueError, match="exactly one"):
+        fa.masking_hooks(model)
+    with pytest.raises(ValueError, match="exactly one"):
+        fa.masking_hooks(model, mask=torch.zeros(2, 6, 6, dtype=torch.bool), ranking=ranking)
+    with pytest.raises(ValueError, match="rate"):
+        fa.masking_hooks(model, ranking=ranking)
+    with pytest.raises(ValueError, match="rate"):
+        fa.masking_hooks(model, ranking=ranking, rate=2.0)
+    with pytest.raises(ValueError, match="unknown mode"):
+        fa.masking_hooks(model, ranking=ranking, rate=0.5, mode="suff")
+    with pytest.raises(TypeError, match="boolean"):
+        fa.masking_hooks(model, mask=torch.zeros(2, 6, 6))
+    with pytest.raises(ValueError, match="not ranked"):
+        fa.masking_hooks(
+            model,
+            ranking=fa.source_rankings(model, tokens, ["attention"], layers=[0])["attention"],
+            rate=0.1,
+            layers=[1],
+        )
+
+
+def test_no_hooks_left_after_a_hook_raises() -> None:
+    model = make_tiny()
+    tokens = random_tokens(2, 6)
+    wrong = torch.zeros(3, 6, 6, dtype=torch.bool)  # batch 3 vs 2
+    with pytest.raises(ValueError, match="does not fit the pattern"):
+        run_hooks(model, tokens, fa.masking_hooks(model, mask=wrong))
+    assert not has_hooks(model)
+    ranking = fa.source_rankings(model, tokens[:1], ["attention"])["attention"]
+    with pytest.raises(ValueError, match="does not fit the pattern"):
+        run_hooks(model, tokens, fa.masking_hooks(model, ranking=ranking, rate=0.5))
+    assert not has_hooks(model)
+
+
+def test_plot_curves_writes_two_panels(tmp_path) -> None:
+    model = make_tiny()
+    frame = fa.perplexity_curves(
+        model, random_tokens(3, 8), ["attention", "random"], rates=(0.0, 0.5, 1.0), verbose=False
+    )
+    fig = fa.plot_curves(frame, tmp_path / "c.png", title="tiny")
+    data = (tmp_path / "c.png").read_bytes()
+    assert data[:4] == b"\x89PNG" and len(data) < 300_000
+    assert len(fig.axes) == 2 and all(
+        len(ax.get_lines()) == 2 + 1 for ax in fig.axes
+    )  # 2 metrics + zero line
+    fa.plot_curves(frame, tmp_path / "c.svg")
+    assert (tmp_path / "c.svg").read_text().lstrip().startswith("<?xml")
+    with pytest.raises(ValueError, match=r"png or \.svg"):
+        fa.plot_curves(frame, tmp_path / "c.pdf")

@@ -1,0 +1,445 @@
+"""Head pruning on tiny random models: every quantity against a brute-force reference built here."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import statistics
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+from conftest import make_tiny, random_tokens
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import mechgeom.pruning as pruning
+from mechgeom.data import TaskItem
+from mechgeom.evaluation import perplexity, text_nll
+from mechgeom.hooks import has_hooks
+from mechgeom.pruning import (
+    SingleHeadResult,
+    entropy_order,
+    head_ablation_hooks,
+    head_stats,
+    mad_outliers,
+    magnitude_order,
+    plot_retention,
+    random_order,
+    retention_curve,
+    retention_curves,
+    retention_levels,
+    score_choices,
+    single_head_sweep,
+    task_accuracy,
+    taxonomy_order,
+    weight_magnitude,
+)
+
+#: SPEC.md: Reset heads are removed first, then Mixers, Retrievers last.
+REGIMES = ("Reset", "Mixer", "Retriever")
+
+
+def _bruteforce_attn_out(cache, model, layer: int, removed: set[int], fill=None) -> torch.Tensor:
+    """hook_attn_out rebuilt with loops: z[b,i,h] = sum_j alpha v (GQA-expanded), summed over kept heads + b_O."""
+    pattern = cache[f"blocks.{layer}.attn.hook_pattern"]  # [b h q k]
+    v = cache[f"blocks.{layer}.attn.hook_v"]  # [b pos kv d_head]
+    n_heads, group = model.cfg.n_heads, model.cfg.n_heads // v.shape[2]
+    W_O, b_O = model.blocks[layer].attn.W_O, model.blocks[layer].attn.b_O
+    batch, pos = pattern.shape[0], pattern.shape[2]
+    out = torch.zeros(batch, pos, model.cfg.d_model)
+    for b in range(batch):
+        for i in range(pos):
+            acc = b_O.clone()
+            for h in range(n_heads):
+                if h in removed:
+                    if fill is not None:
+                        acc = acc + fill[h] @ W_O[h]
+                    continue
+                z = sum(pattern[b, h, i, j] * v[b, j, h // group] for j in range(i + 1))
+                acc = acc + z @ W_O[h]
+            out[b, i] = acc
+    return out
+
+
+# --------------------------------------------------------------------------- removal hooks
+
+
+@pytest.mark.parametrize("n_kv", [None, 2])
+def test_pruning_nothing_is_identity(n_kv):
+    model = make_tiny(n_kv=n_kv)
+    toks = random_tokens(2, 10)
+    assert head_ablation_hooks(model, []) == []
+    clean = model(toks)
+    with model.hooks(fwd_hooks=head_ablation_hooks(model, [])):
+        same = model(toks)
+    assert torch.equal(clean, same)
+    # and a real removal changes the logits (so the comparison above could fail)
+    with model.hooks(fwd_hooks=head_ablation_hooks(model, [(0, 1)])):
+        assert not torch.allclose(clean, model(toks))
+
+
+@pytest.mark.parametrize("n_kv", [None, 2])
+def test_zero_ablation_equals_bruteforce_attn_out(n_kv):
+    model = make_tiny(n_kv=n_kv, b_O=True)
+    toks = random_tokens(2, 7, seed=3)
+    removed = {0: {1, 3}, 1: {0}}
+    hooks = head_ablation_hooks(model, [(0, 1), (1, 0), (0, 3)])
+    assert [name for name, _ in hooks] == ["blocks.0.attn.hook_z", "blocks.1.attn.hook_z"]
+    with torch.no_grad(), model.hooks(fwd_hooks=hooks, reset_hooks_end=True):
+        _, cache = model.run_with_cache(toks)
+    assert not has_hooks(model)
+    for layer in (0, 1):
+        ref = _bruteforce_attn_out(cache, model, layer, removed[layer])
+        torch.testing.assert_close(cache[f"blocks.{layer}.hook_attn_out"], ref, atol=1e-5, rtol=1e-5)
+        # the cached z (taken after the ablation hook) is zero exactly on the removed heads
+        z = cache[f"blocks.{layer}.attn.hook_z"]
+        for h in range(model.cfg.n_heads):
+            assert (z[:, :, h] == 0).all().item() == (h in removed[layer])
+
+
+def test_mean_ablation_uses_reference_mean():
+    model = make_tiny(n_kv=2)
+    ref = random_tokens(3, 9, seed=11)
+    toks = random_tokens(2, 6, seed=12)
+    _, ref_cache = model.run_with_cache(ref)
+    for start_pos in (0, 2):
+        stats = head_stats(model, ref, start_pos=start_pos, batch_size=2)
+        assert stats.n_positions == 3 * (9 - start_pos)
+        for layer in range(model.cfg.n_layers):
+            z = ref_cache[f"blocks.{layer}.attn.hook_z"]
+            for h in range(model.cfg.n_heads):
+                rows = [z[b, i, h] for b in range(3) for i in range(start_pos, 9)]
+                torch.testing.assert_close(
+                    stats.z_mean[layer, h], torch.stack(rows).mean(0), atol=1e-6, rtol=1e-5
+                )
+    stats = head_stats(model, ref)
+    hooks = head_ablation_hooks(model, [(0, 2), (1, 1)], mode="mean", means=stats)
+    _, clean_cache = model.run_with_cache(toks)
+    with torch.no_grad(), model.hooks(fwd_hooks=hooks, reset_hooks_end=True):
+        _, cache = model.run_with_cache(toks)
+    z0 = cache["blocks.0.attn.hook_z"]
+    assert torch.equal(z0[:, :, 2], stats.z_mean[0, 2].expand(2, 6, -1))
+    assert torch.equal(cache["blocks.1.attn.hook_z"][:, :, 1], stats.z_mean[1, 1].expand(2, 6, -1))
+    torch.testing.assert_close(z0[:, :, [0, 1, 3]], clean_cache["blocks.0.attn.hook_z"][:, :, [0, 1, 3]])
+    ref_out = _bruteforce_attn_out(cache, model, 0, {2}, fill={2: stats.z_mean[0, 2]})
+    torch.testing.assert_close(cache["blocks.0.hook_attn_out"], ref_out, atol=1e-5, rtol=1e-5)
+
+
+def test_invalid_heads_raise():
+    model = make_tiny()
+    with pytest.raises(ValueError, match="duplicate"):
+        head_ablation_hooks(model, [(0, 1), (1, 1), (0, 1)])
+    with pytest.raises(IndexError):
+        head_ablation_hooks(model, [(2, 0)])
+    with pytest.raises(IndexError):
+        head_ablation_hooks(model, [(0, 4)])
+    with pytest.raises(IndexError):
+        head_ablation_hooks(model, [(-1, 0)])
+    with pytest.raises(ValueError, match="means"):
+        head_ablation_hooks(model, [(0, 0)], mode="mean")
+    with pytest.raises(ValueError, match="shape"):
+        head_ablation_hooks(model, [(0, 0)], mode="mean", means=torch.zeros(2, 4, 3))
+    with pytest.raises(ValueError, match="mode"):
+        head_ablation_hooks(model, [(0, 0)], mode="half")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="all 8 heads"):
+        retention_curve(model, [(0, 0)], {"x": random_tokens()})
+
+
+def test_no_hooks_left_after_exception(monkeypatch):
+    model = make_tiny()
+    toks = random_tokens(2, 8)
+
+    def boom(tensor, hook):
+        raise RuntimeError("boom")
+
+    order = random_order(model, 0)
+    with pytest.raises(RuntimeError, match="boom"):
+        retention_curve(
+            model, order, {"x": toks}, levels=(0.5,), extra_hooks=[("blocks.1.attn.hook_z", boom)]
+        )
+    assert not has_hooks(model)
+
+    def bad_entropy(pattern):
+        raise RuntimeError("entropy failed")
+
+    monkeypatch.setattr(pruning, "pattern_entropy", bad_entropy)
+    with pytest.raises(RuntimeError, match="entropy failed"):
+        head_stats(model, toks)
+    assert not has_hooks(model)
+    monkeypatch.undo()
+
+    def bad_replace(z, hook, **kwargs):
+        raise RuntimeError("ablation failed")
+
+    monkeypatch.setattr(pruning, "_replace_z", bad_replace)
+    for start_at_layer in (True, False):
+        with pytest.raises(RuntimeError, match="ablation failed"):
+            single_head_sweep(model, toks, heads=[(1, 2)], start_at_layer=start_at_layer)
+        assert not has_hooks(model)
+
+
+# --------------------------------------------------------------------------- statistics and orders
+
+
+def test_head_stats_norm_and_entropy_bruteforce():
+    model = make_tiny(n_kv=2, n_layers=2)
+    toks = random_tokens(2, 6, seed=5)
+    with torch.no_grad():
+        _, cache = model.run_with_cache(toks)
+    stats = head_stats(model, toks, batch_size=1)
+    for layer in range(2):
+        z, pattern = cache[f"blocks.{layer}.attn.hook_z"], cache[f"blocks.{layer}.attn.hook_pattern"]
+        W_O = model.blocks[layer].attn.W_O.detach()
+        for h in range(model.cfg.n_heads):
+            norms, ents = [], []
+            for b in range(2):
+                for i in range(6):
+                    norms.append(float(torch.linalg.vector_norm(z[b, i, h] @ W_O[h])))
+                    ents.append(
+                        -sum(float(p) * math.log(float(p)) for p in pattern[b, h, i, : i + 1] if p > 0)
+                    )
+            assert stats.out_norm[layer, h].item() == pytest.approx(np.mean(norms), rel=1e-5)
+            assert stats.entropy[layer, h].item() == pytest.approx(np.mean(ents), rel=1e-5, abs=1e-7)
+    frame = stats.to_frame()
+    assert list(frame.columns) == ["layer", "head", "out_norm", "entropy"] and len(frame) == 8
+
+
+def test_weight_magnitude_order_on_gqa():
+    model = make_tiny(n_kv=2, n_heads=4, n_layers=3, seed=7)
+    attn = model.blocks[0].attn
+    assert attn._W_V.shape[0] == 2 and model.W_V.shape[1] == 4  # GQA: per-KV storage, expanded property
+    ref = {}
+    for layer in range(3):
+        W_V, W_O = model.blocks[layer].attn._W_V.detach(), model.blocks[layer].attn.W_O.detach()
+        for h in range(4):
+            ref[(layer, h)] = float(torch.linalg.matrix_norm(W_V[h // 2] @ W_O[h], ord="fro"))
+    mags = weight_magnitude(model)
+    for (layer, h), val in ref.items():
+        assert mags[layer, h].item() == pytest.approx(val, rel=1e-5)
+    assert magnitude_order(model) == sorted(ref, key=lambda lh: (ref[lh], lh))
+
+
+def test_entropy_order_direction():
+    ent = torch.tensor([[0.5, 2.0, 1.0], [0.1, 2.0, 3.0]])
+    high = entropy_order(ent)
+    assert high == [(1, 2), (0, 1), (1, 1), (0, 2), (0, 0), (1, 0)]  # ties (2.0) by (layer, head)
+    assert [ent[lh].item() for lh in entropy_order(ent, highest_first=False)] == sorted(
+        ent.flatten().tolist()
+    )
+    with pytest.raises(ValueError, match="NaN"):
+        entropy_order(torch.tensor([[float("nan"), 1.0]]))
+
+
+def test_random_order_seeded():
+    model = make_tiny(n_layers=3, n_heads=4)
+    a, b, c = random_order(model, 0), random_order(model, 0), random_order(model, 1)
+    assert a == b
+    assert a != c
+    assert sorted(a) == sorted(c) == [(layer, h) for layer in range(3) for h in range(4)]
+
+
+def _check_taxonomy_order(table: pd.DataFrame, order: list[tuple[int, int]]) -> None:
+    assert sorted(order) == sorted(zip(table["layer"], table["head"], strict=True))
+    info = {(r.layer, r.head): (REGIMES.index(r.label), r.out_norm) for r in table.itertuples()}
+    keys = [info[lh] for lh in order]
+    for prev, nxt in itertools.pairwise(keys):
+        assert prev[0] <= nxt[0]  # Reset -> Mixer -> Retriever
+        if prev[0] == nxt[0]:
+            assert prev[1] <= nxt[1]  # ascending norm inside a regime
+
+
+def test_taxonomy_order_handmade_table():
+    table = pd.DataFrame(
+        {
+            "layer": [0, 0, 0, 1, 1, 1, 2, 2],
+            "head": [0, 1, 2, 0, 1, 2, 0, 1],
+            "label": ["Retriever", "Mixer", "Reset", "Mixer", "Reset", "Mixer", "Retriever", "Reset"],
+            "out_norm": [0.1, 3.0, 2.0, 1.0, 0.5, 2.5, 0.05, 4.0],
+        }
+    )
+    order = taxonomy_order(table)
+    _check_taxonomy_order(table, order)
+    assert order[0] == (1, 1) and order[-1] == (0, 0)
+    # norms given as a [layer, head] tensor override the column
+    norms = torch.zeros(3, 3)
+    norms[1, 1], norms[0, 2], norms[2, 1] = 9.0, 1.0, 5.0
+    assert taxonomy_order(table.drop(columns="out_norm"), norms)[:3] == [(0, 2), (2, 1), (1, 1)]
+    with pytest.raises(ValueError, match="unknown taxonomy label"):
+        taxonomy_order(table.assign(label=["Sink", *table["label"][1:]]))
+    with pytest.raises(ValueError, match="column"):
+        taxonomy_order(table.drop(columns="label"))
+    with pytest.raises(ValueError, match="out_norm"):
+        taxonomy_order(table.drop(columns="out_norm"))
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    st.lists(st.tuples(st.sampled_from(REGIMES), st.floats(0, 10, allow_nan=False)), min_size=1, max_size=24)
+)
+def test_taxonomy_order_property(rows):
+    table = pd.DataFrame(
+        {
+            "layer": [k // 4 for k in range(len(rows))],
+            "head": [k % 4 for k in range(len(rows))],
+            "label": [r[0] for r in rows],
+            "out_norm": [r[1] for r in rows],
+        }
+    )
+    _check_taxonomy_order(table, taxonomy_order(table))
+
+
+# --------------------------------------------------------------------------- critical heads
+
+
+def test_mad_outliers_against_statistics_module():
+    rng = np.random.default_rng(0)
+    x = np.concatenate([rng.normal(1.0, 0.2, 60), [9.0, 2.5]])
+    out = mad_outliers(x, k=5)
+    med = statistics.median(x.tolist())
+    mad = 1.4826 * statistics.median([abs(v - med) for v in x.tolist()])
+    assert out["median"] == pytest.approx(med) and out["mad"] == pytest.approx(mad)
+    assert out["threshold"] == pytest.approx(med + 5 * mad)
+    assert out["flags"].tolist() == [v > med + 5 * mad for v in x.tolist()]
+    assert out["flags"][-2] and out["flags"].sum() >= 1
+    assert not mad_outliers(rng.normal(0, 1, 50))["flags"].any()
+
+
+def test_single_head_leaderboard_frame():
+    clean = torch.tensor([1.0, 1.2])
+    nll = torch.tensor([[[1.01, 1.21], [1.02, 1.22]], [[3.0, 3.5], [1.0, 1.21]], [[1.03, 1.19], [1.02, 1.2]]])
+    res = SingleHeadResult(clean_nll=clean, nll=nll)
+    df = res.to_frame(k=5)
+    assert df["rank"].tolist() == list(range(1, 7))
+    assert df["delta_ppl"].is_monotonic_decreasing
+    assert (df.loc[0, "layer"], df.loc[0, "head"]) == (1, 0)
+    expected = math.exp(3.25) - math.exp(1.1)
+    assert df.loc[0, "delta_ppl"] == pytest.approx(expected, rel=1e-5)
+    assert res.critical(k=5)[["layer", "head"]].values.tolist() == [[1, 0]]
+    assert pruning.single_head_order(res)[-1] == (1, 0)
+
+
+# --------------------------------------------------------------------------- sweep
+
+
+@pytest.mark.parametrize("mode", ["zero", "mean"])
+def test_sweep_start_at_layer_equals_full_forward(mode):
+    model = make_tiny(n_layers=3, n_kv=2, seed=2)
+    toks = random_tokens(3, 10, seed=4)
+    means = head_stats(model, random_tokens(2, 10, seed=9)) if mode == "mean" else None
+    fast = single_head_sweep(model, toks, mode=mode, means=means, batch_size=2, start_at_layer=True)
+    slow = single_head_sweep(model, toks, mode=mode, means=means, batch_size=2, start_at_layer=False)
+    torch.testing.assert_close(fast.nll, slow.nll, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(fast.clean_nll, text_nll(model, toks))
+    for layer, h in [(0, 0), (2, 3)]:
+        hooks = head_ablation_hooks(model, [(layer, h)], mode=mode, means=means)
+        torch.testing.assert_close(fast.nll[layer, h], text_nll(model, toks, hooks), atol=1e-5, rtol=1e-5)
+    assert not torch.isnan(fast.nll).any()
+    assert (fast.delta_ppl != 0).any()
+
+
+def test_sweep_checkpoint_resumes(tmp_path, monkeypatch):
+    model = make_tiny(n_layers=2, seed=3)
+    toks = random_tokens(2, 8, seed=1)
+    ckpt = tmp_path / "sweep.csv"
+    single_head_sweep(model, toks, heads=[(0, 0), (0, 2)], checkpoint=ckpt)
+    calls = []
+    real = pruning._nll_from_layer
+    monkeypatch.setattr(pruning, "_nll_from_layer", lambda *a, **k: calls.append(a[3]) or real(*a, **k))
+    resumed = single_head_sweep(model, toks, checkpoint=ckpt)
+    assert len(calls) == 8 - 2  # one batch; the two heads on file are not recomputed
+    fresh = single_head_sweep(model, toks)
+    torch.testing.assert_close(resumed.nll, fresh.nll, atol=1e-6, rtol=1e-6)
+    with pytest.raises(ValueError, match="checkpoint"):
+        single_head_sweep(model, random_tokens(2, 8, seed=2), checkpoint=ckpt)
+
+
+# --------------------------------------------------------------------------- retention
+
+
+@pytest.mark.parametrize("n", [270, 72, 9, 7, 1])
+def test_retention_levels_round_half_up(n):
+    levels = retention_levels(n)
+    assert [r for r, _ in levels] == pytest.approx([1.0, 0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3, 0.2, 0.1])
+    assert levels[0][1] == n
+    kept = [k for _, k in levels]
+    assert kept == sorted(kept, reverse=True)
+    for r, k in levels:
+        exact = r * n
+        assert abs(k - exact) <= 0.5 + 1e-9
+        if abs(exact - round(exact) - 0.5) < 1e-9 or abs(exact - math.floor(exact) - 0.5) < 1e-9:
+            assert k == math.floor(exact) + 1  # ties go up
+    assert retention_levels(9, [0.5])[0][1] == 5
+
+
+def test_retention_curve_matches_direct_perplexity(tmp_path, monkeypatch):
+    model = make_tiny(n_layers=2, seed=5)
+    corpora = {"a": random_tokens(2, 10, seed=1), "b": random_tokens(3, 8, seed=2)}
+    order = random_order(model, 3)
+    frame = retention_curve(model, order, corpora, name="random", levels=(1.0, 0.5, 0.2))
+    assert set(frame.columns) >= {
+        "order",
+        "retention",
+        "n_heads_kept",
+        "corpus",
+        "ppl",
+        "delta_ppl",
+        "accuracy",
+    }
+    for row in frame.itertuples():
+        removed = order[: 8 - row.n_heads_kept]
+        direct = perplexity(model, corpora[row.corpus], head_ablation_hooks(model, removed))
+        assert row.ppl == pytest.approx(direct, rel=1e-5)
+        assert row.delta_ppl == pytest.approx(
+            direct - perplexity(model, corpora[row.corpus]), rel=1e-4, abs=1e-6
+        )
+    assert frame["n_heads_kept"].tolist() == [8, 8, 4, 4, 2, 2]
+    assert (frame.loc[frame["retention"] == 1.0, "delta_ppl"] == 0).all()
+
+    ckpt = tmp_path / "curves.csv"
+    orders = {"random": order, "magnitude": magnitude_order(model)}
+    first = retention_curves(model, orders, corpora, levels=(1.0, 0.5), checkpoint=ckpt)
+    assert first.to_frame()["order"].unique().tolist() == ["random", "magnitude"]
+    monkeypatch.setattr(pruning, "retention_curve", lambda *a, **k: pytest.fail("finished order recomputed"))
+    again = retention_curves(model, orders, corpora, levels=(1.0, 0.5), checkpoint=ckpt)
+    pd.testing.assert_frame_equal(again.to_frame(), first.to_frame(), check_dtype=False)
+    summary = first.summary()
+    assert len(summary) == 4 and summary["mean_delta_ppl"].notna().all()
+    png = plot_retention(first.to_frame(), tmp_path / "fig.png")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# --------------------------------------------------------------------------- downstream scoring
+
+
+def test_score_choices_equals_unbatched_bruteforce():
+    model = make_tiny(n_layers=2, seed=6, d_vocab=50)
+    g = torch.Generator().manual_seed(0)
+
+    def ids(n):
+        return torch.randint(0, 50, (n,), generator=g).tolist()
+
+    encoded = [
+        (ids(5), [ids(2), ids(4)]),
+        (ids(9), [ids(1), ids(3)]),
+        (ids(3), [ids(6), ids(2)]),
+        (ids(7), [ids(1), ids(1)]),  # single-token choices: scored from one forward of the prompt
+        (ids(4), [ids(1), ids(1)]),
+    ]
+    scores = score_choices(model, encoded, batch_size=4)  # padding inside batches
+    hooks = head_ablation_hooks(model, [(1, 1)])
+    scores_ablated = score_choices(model, encoded, hooks, batch_size=3)
+    for fwd, got in (([], scores), (hooks, scores_ablated)):
+        for i, (prompt, choices) in enumerate(encoded):
+            for c, choice in enumerate(choices):
+                seq = torch.tensor([prompt + choice])
+                with torch.no_grad(), model.hooks(fwd_hooks=fwd):
+                    logp = torch.log_softmax(model(seq)[0].double(), dim=-1)
+                ref = sum(float(logp[len(prompt) - 1 + t, tok]) for t, tok in enumerate(choice))
+                assert got[i, c].item() == pytest.approx(ref, rel=1e-6, abs=1e-6)
+    assert not torch.allclose(scores, scores_ablated)
+    items = [TaskItem("t", "p", ("a", "b"), answer=int(a)) for a in scores.argmax(1).tolist()]
+    assert task_accuracy(model, items, encoded=encoded) == 1.0
+    flipped = [TaskItem("t", "p", ("a", "b"), answer=1 - it.answer) for it in items]
+    assert task_accuracy(model, flipped, encoded=encoded) == 0.0

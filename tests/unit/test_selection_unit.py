@@ -1,0 +1,522 @@
+"""Token-selection geometry (SPEC.md §B) against brute-force references built here."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from conftest import make_tiny, random_tokens
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from mechgeom.hooks import expand_kv, has_hooks
+from mechgeom.selection import (
+    PER_QUERY,
+    BoundParams,
+    bound_radii,
+    candidate_mask,
+    extreme_f_score,
+    fit_bound_params,
+    inversion_certificate,
+    layer_selection,
+    precision_recall_curve,
+    random_ranks,
+    selection_distances,
+    sink_aware_bound,
+    source_ranks,
+    token_selection,
+    token_selection_from_cache,
+)
+
+F64 = torch.float64
+
+
+# --------------------------------------------------------------------------- brute-force references
+
+
+def causal_pattern(
+    b: int, h: int, k: int, seed: int, scale: float = 2.0, sink_boost: float = 0.0
+) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(b, h, k, k, generator=g, dtype=F64) * scale
+    logits[..., 0] += sink_boost
+    mask = torch.ones(k, k, dtype=torch.bool).tril()
+    return torch.softmax(logits.masked_fill(~mask, float("-inf")), dim=-1)
+
+
+def brute_top(a: list[float], cands: list[int], n: int) -> list[int]:
+    return sorted(cands, key=lambda j: (-a[j], j))[:n]
+
+
+def brute_f(d: dict[int, float], members: set[int]) -> float:
+    """max over every radius (and the empty ball) of 2PR/(P+R), by explicit loops."""
+    n = len(members)
+    best = 0.0
+    for r in [-1.0, *d.values()]:
+        ball = [j for j in d if d[j] <= r]
+        tp = sum(1 for j in ball if j in members)
+        if tp == 0:
+            continue
+        p, rec = tp / len(ball), tp / n
+        best = max(best, 2 * p * rec / (p + rec))
+    return best
+
+
+def brute_mq(d: dict[int, float], members: set[int]) -> tuple[int, int]:
+    max_in = max(d[j] for j in members)
+    outs = [d[k] for k in d if k not in members]
+    min_out = min(outs) if outs else math.inf
+    m = sum(1 for k in d if k not in members and d[k] <= max_in)
+    q = sum(1 for j in members if d[j] < min_out)
+    return m, q
+
+
+def brute_distances(
+    a: torch.Tensor, vals: torch.Tensor, members: list[int], cands: list[int]
+) -> dict[int, float]:
+    """d_j = ‖a_j v_j − sum_{I} a_l v_l‖ with materialised vectors."""
+    s = sum(a[j] * vals[j] for j in members)
+    return {j: float((a[j] * vals[j] - s).norm()) for j in cands}
+
+
+# --------------------------------------------------------------------------- F-score and certificate
+
+
+def test_extreme_f_score_equals_max_over_all_radii() -> None:
+    g = torch.Generator().manual_seed(0)
+    rows, k = 400, 12
+    # coarse distances so that ties are frequent
+    d = torch.randint(0, 6, (rows, k), generator=g).to(F64) / 2
+    valid = torch.rand(rows, k, generator=g) < 0.8
+    members = (torch.rand(rows, k, generator=g) < 0.35) & valid
+    members[:, 0] = valid[:, 0] = True  # at least one member per row
+    f = extreme_f_score(d, members, valid)
+    radius, prec, rec = precision_recall_curve(d, members, valid)
+    for r in range(rows):
+        dd = {j: float(d[r, j]) for j in range(k) if valid[r, j]}
+        mem = {j for j in dd if members[r, j]}
+        assert f[r].item() == pytest.approx(brute_f(dd, mem), abs=1e-12)
+        # the curve lists each distinct radius once, with P and R of the ball at that radius
+        ok = ~torch.isnan(radius[r])
+        assert sorted(radius[r][ok].tolist()) == sorted(set(dd.values()))
+        for rad, p, rc in zip(radius[r][ok].tolist(), prec[r][ok].tolist(), rec[r][ok].tolist(), strict=True):
+            ball = [j for j in dd if dd[j] <= rad]
+            tp = sum(1 for j in ball if j in mem)
+            assert p == pytest.approx(tp / len(ball)) and rc == pytest.approx(tp / len(mem))
+        fs = [
+            2 * p * rc / (p + rc)
+            for p, rc in zip(prec[r][ok].tolist(), rec[r][ok].tolist(), strict=True)
+            if p + rc > 0
+        ]
+        assert max(fs, default=0.0) == pytest.approx(f[r].item())
+
+
+def test_ties_in_distance_enter_the_ball_together() -> None:
+    # members {0, 1}; source 2 ties with member 1: a radius can't take 1 without 2
+    d = torch.tensor([[0.0, 1.0, 1.0, 3.0]], dtype=F64)
+    members = torch.tensor([[True, True, False, False]])
+    valid = torch.ones_like(members)
+    # radius 0: P=1, R=1/2 -> 2/3; radius 1: tp=2, |B|=3 -> 0.8
+    assert extreme_f_score(d, members, valid).item() == pytest.approx(0.8)
+    cert, m, q = inversion_certificate(d, members, valid)
+    assert (m.item(), q.item()) == (1, 1)
+    assert cert.item() == pytest.approx(max(4 / 5, 2 / 3))
+
+
+def test_empty_member_set_is_nan() -> None:
+    d = torch.zeros(1, 3, dtype=F64)
+    none = torch.zeros(1, 3, dtype=torch.bool)
+    assert torch.isnan(extreme_f_score(d, none, torch.ones_like(none))).all()
+    assert torch.isnan(inversion_certificate(d, none, torch.ones_like(none))[0]).all()
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    k=st.integers(2, 9),
+    d_head=st.integers(1, 4),
+    n=st.integers(1, 9),
+    seed=st.integers(0, 10_000),
+    scale=st.floats(0.1, 6.0),
+)
+def test_certificate_never_exceeds_f_property(k: int, d_head: int, n: int, seed: int, scale: float) -> None:
+    pat = causal_pattern(1, 2, k, seed, scale=scale)
+    v = torch.randn(1, k, 2, d_head, generator=torch.Generator().manual_seed(seed + 1), dtype=F64)
+    cand = candidate_mask(k)
+    mem = (source_ranks(pat, cand) < n) & cand
+    d = selection_distances(pat, v, mem)
+    f = extreme_f_score(d, mem, cand)
+    cert, m, q = inversion_certificate(d, mem, cand)
+    for h in range(2):
+        for i in range(k):
+            dd = {j: float(d[0, h, i, j]) for j in range(i + 1)}
+            mset = {j for j in range(i + 1) if mem[0, h, i, j]}
+            assert len(mset) == min(n, i + 1)
+            assert cert[0, h, i] <= f[0, h, i] + 1e-12
+            assert (m[0, h, i].item(), q[0, h, i].item()) == brute_mq(dd, mset)
+            # distances agree with materialised vectors, and F with the loop over radii
+            ref = brute_distances(pat[0, h, i], v[0, :, h], sorted(mset), list(range(i + 1)))
+            for j in ref:  # the Gram trick resolves d² to ~eps·‖s‖², so d near 0 to ~sqrt(eps)
+                assert dd[j] == pytest.approx(ref[j], abs=1e-7)
+            assert f[0, h, i].item() == pytest.approx(brute_f(ref, mset), abs=1e-9)
+
+
+# --------------------------------------------------------------------------- ranking and the sweep
+
+
+def test_top_n_ties_prefer_lower_positions() -> None:
+    pat = torch.tensor([[[[0.1, 0.3, 0.3, 0.0, 0.3]]]], dtype=F64)
+    cand = torch.ones(1, 5, dtype=torch.bool)
+    ranks = source_ranks(pat, cand)
+    assert ranks[0, 0, 0].tolist() == [3, 0, 1, 4, 2]
+    # uniform attention: I_N is the first N positions, so the sink is always in I_N
+    k = 6
+    uni = torch.ones(1, 1, k, k, dtype=F64).tril()
+    uni = uni / uni.sum(-1, keepdim=True)
+    out = layer_selection(uni, torch.randn(1, k, 1, 3, dtype=F64), ns=[2], n_random=0, bound=False, dtype=F64)
+    mem = (source_ranks(uni, candidate_mask(k)) < 2) & candidate_mask(k)
+    assert mem[0, 0, 5].nonzero().flatten().tolist() == [0, 1]
+    assert torch.equal(out["per_query"]["sink_in_top"][0, 0, 1:, 0], torch.ones(k - 1))
+
+
+@pytest.mark.parametrize("sinks", [(0,), (0, 2)])
+def test_layer_selection_matches_bruteforce(sinks: tuple[int, ...]) -> None:
+    b, h, k, dh, ns = 2, 2, 7, 3, [1, 2, 3, 8]
+    pat = causal_pattern(b, h, k, seed=3, sink_boost=1.0)
+    v = torch.randn(b, k, h, dh, generator=torch.Generator().manual_seed(4), dtype=F64)
+    out = layer_selection(pat, v, ns=ns, sink_positions=sinks, n_random=0, dtype=F64)["per_query"]
+    assert set(out) == set(PER_QUERY)
+    for bi in range(b):
+        for hi in range(h):
+            a = pat[bi, hi]
+            for i in range(k):
+                for t, n in enumerate(ns):
+                    for name, cands in (
+                        ("f_top", list(range(i + 1))),
+                        ("f_nosink", [j for j in range(i + 1) if j not in sinks]),
+                    ):
+                        got = out[name][bi, hi, i, t].item()
+                        if len(cands) < n:  # documented: too few sources -> NaN
+                            assert math.isnan(got)
+                            continue
+                        top = brute_top(a[i].tolist(), cands, n)
+                        dd = brute_distances(a[i], v[bi, :, hi], top, cands)
+                        assert got == pytest.approx(brute_f(dd, set(top)), abs=1e-6)
+                        if len(cands) == n:
+                            assert got == 1.0
+                        if name == "f_top":
+                            m, q = brute_mq(dd, set(top))
+                            cert = max(2 * n / (2 * n + m), 2 * q / (n + q))
+                            assert out["certificate"][bi, hi, i, t].item() == pytest.approx(cert, abs=1e-6)
+                            assert out["certificate"][bi, hi, i, t] <= got
+                            assert out["sink_in_top"][bi, hi, i, t].item() == float(
+                                any(s in top for s in sinks)
+                            )
+                            assert out["bound"][bi, hi, i, t] <= got
+
+
+def test_n_larger_than_sources_is_nan_and_excluded_from_means() -> None:
+    model = make_tiny(n_layers=1, attn_only=True)
+    res = token_selection(model, random_tokens(1, 6), ns=[4, 6, 7], n_random=1, dtype=F64)
+    f = res.per_query["f_top"][0, 0]  # [head, q, n]
+    assert torch.isnan(f[:, :3, 0]).all() and not torch.isnan(f[:, 3:, 0]).any()
+    assert torch.isnan(f[:, :5, 1]).all() and (f[:, 5, 1] == 1).all()  # N = i + 1: F = 1
+    assert torch.isnan(f[..., 2]).all()
+    frame = res.to_frame()
+    assert frame.loc[frame.N == 4, "n_queries"].tolist() == [3] * 4
+    assert frame.loc[frame.N == 7, "n_queries"].tolist() == [0] * 4
+    row = frame[(frame.N == 4) & (frame["head"] == 1)].iloc[0]
+    assert row.f_top == pytest.approx(f[1, 3:, 0].double().mean().item(), abs=1e-6)
+
+
+def test_random_subsets_are_uniform_and_reproducible() -> None:
+    k, rows = 6, 6000
+    cand = candidate_mask(k)
+    ranks = random_ranks((rows, 1, k, k), cand, torch.Generator().manual_seed(0))
+    mem = (ranks < 2) & cand
+    assert (mem.sum(-1)[:, 0, 1:] == 2).all() and not (mem & ~cand).any()
+    freq = mem[:, 0, 5].double().mean(0)  # query 5: 6 candidates, each in with probability 1/3
+    assert torch.allclose(freq, torch.full((k,), 1 / 3, dtype=F64), atol=0.03)
+    freq3 = mem[:, 0, 3, :4].double().mean(0)
+    assert torch.allclose(freq3, torch.full((4,), 0.5, dtype=F64), atol=0.03)
+
+
+def test_random_baseline_is_the_mean_over_seeded_draws() -> None:
+    b, h, k, dh, n_random, seed = 1, 2, 8, 3, 3, 11
+    pat = causal_pattern(b, h, k, seed=5)
+    v = torch.randn(b, k, h, dh, generator=torch.Generator().manual_seed(6), dtype=F64)
+    out = layer_selection(pat, v, ns=[2, 3], n_random=n_random, seed=seed, bound=False, dtype=F64)[
+        "per_query"
+    ]
+    again = layer_selection(pat, v, ns=[2, 3], n_random=n_random, seed=seed, bound=False, dtype=F64)[
+        "per_query"
+    ]
+    other = layer_selection(pat, v, ns=[2, 3], n_random=n_random, seed=seed + 1, bound=False, dtype=F64)[
+        "per_query"
+    ]
+    assert torch.allclose(out["f_random"], again["f_random"], equal_nan=True)
+    assert not torch.allclose(out["f_random"], other["f_random"], equal_nan=True)
+    # replay the draws: same generator, same calls, then brute force
+    gen = torch.Generator().manual_seed(seed)
+    cand = candidate_mask(k)
+    draws = [random_ranks(pat.shape, cand, gen) for _ in range(n_random)]
+    for hi in range(h):
+        for i in range(1, k):
+            for t, n in enumerate([2, 3]):
+                if i + 1 < n:
+                    assert math.isnan(out["f_random"][0, hi, i, t].item())
+                    continue
+                vals = []
+                for rr in draws:
+                    subset = [j for j in range(i + 1) if rr[0, hi, i, j] < n]
+                    dd = brute_distances(pat[0, hi, i], v[0, :, hi], subset, list(range(i + 1)))
+                    vals.append(brute_f(dd, set(subset)))
+                assert out["f_random"][0, hi, i, t].item() == pytest.approx(sum(vals) / n_random, abs=1e-6)
+
+
+def test_query_stride_keeps_last_query_and_matches_full_run() -> None:
+    pat = causal_pattern(1, 2, 9, seed=7)
+    v = torch.randn(1, 9, 2, 3, generator=torch.Generator().manual_seed(8), dtype=F64)
+    full = layer_selection(pat, v, ns=[1, 2], n_random=0, dtype=F64)
+    part = layer_selection(pat, v, ns=[1, 2], n_random=0, dtype=F64, query_stride=3)
+    assert part["queries"] == [2, 5, 8]
+    for name in ("f_top", "f_nosink", "certificate", "bound"):
+        assert torch.allclose(
+            part["per_query"][name], full["per_query"][name][:, :, [2, 5, 8]], equal_nan=True
+        )
+
+
+# --------------------------------------------------------------------------- projected space and the model path
+
+
+def test_projected_distances_match_materialised_tiny_model() -> None:
+    model = make_tiny(n_kv=2, b_O=False)
+    tokens = random_tokens(2, 9)
+    _, cache = model.run_with_cache(tokens)
+    layer = 1
+    pat = cache[f"blocks.{layer}.attn.hook_pattern"].double()
+    v = expand_kv(cache[f"blocks.{layer}.attn.hook_v"], model.cfg.n_heads).double()
+    W_O = model.blocks[layer].attn.W_O.detach().double()
+    res = token_selection_from_cache(
+        model, cache, layers=[layer], ns=[2, 3], n_random=0, projected=True, dtype=F64
+    )
+    hooked = token_selection(model, tokens, layers=[layer], ns=[2, 3], n_random=0, projected=True, dtype=F64)
+    assert torch.allclose(res.per_query["f_top"], hooked.per_query["f_top"], equal_nan=True)
+    vt = torch.einsum("bkhd,hdm->bkhm", v, W_O)  # [b k h d_model]
+    for bi in range(2):
+        for hi in range(model.cfg.n_heads):
+            for i in range(2, 9):
+                for t, n in enumerate([2, 3]):
+                    top = brute_top(pat[bi, hi, i].tolist(), list(range(i + 1)), n)
+                    y = pat[bi, hi, i, : i + 1, None] * vt[bi, : i + 1, hi]  # materialised [k, d_model]
+                    s = y[top].sum(0)
+                    dd = {j: float((y[j] - s).norm()) for j in range(i + 1)}
+                    got = res.per_query["f_top"][bi, 0, hi, i, t].item()
+                    assert got == pytest.approx(brute_f(dd, set(top)), abs=1e-6)
+    # value space differs from projected space in general (W_O is not an isometry)
+    val = token_selection(model, tokens, layers=[layer], ns=[2, 3], n_random=0, dtype=F64)
+    assert not torch.allclose(val.per_query["m_inv"], res.per_query["m_inv"], equal_nan=True)
+
+
+def test_model_path_to_frame_and_params() -> None:
+    model = make_tiny(n_layers=2)
+    tokens = random_tokens(2, 10)
+    res = token_selection(model, tokens, ns=[1, 2, 4], n_random=2)
+    frame = res.to_frame()
+    assert len(frame) == 2 * 4 * 3
+    assert {"layer", "head", "N", "f_top", "f_random", "f_gap", "f_nosink", "certificate", "bound"} <= set(
+        frame
+    )
+    assert (frame.cert_violations == 0).all() and (frame.bound_violations == 0).all()
+    assert (frame.loc[frame.N == 1, "f_top"] == 1).all()
+    sel = frame[(frame.layer == 1) & (frame["head"] == 2) & (frame.N == 2)].iloc[0]
+    f = res.per_query["f_top"][:, 1, 2, :, 1]
+    assert sel.f_top == pytest.approx(f[~torch.isnan(f)].double().mean().item(), abs=1e-6)
+    params = res.params_frame()
+    assert len(params) == 8 and {"nu", "rho", "kappa", "mu", "regime"} <= set(params)
+    assert not has_hooks(model)
+
+
+def test_bad_input_errors() -> None:
+    pat = causal_pattern(1, 2, 5, seed=0)
+    v = torch.randn(1, 5, 2, 3, dtype=F64)
+    with pytest.raises(ValueError, match="positive"):
+        layer_selection(pat, v, ns=[0])
+    with pytest.raises(ValueError, match="empty"):
+        layer_selection(pat, v, ns=[])
+    with pytest.raises(ValueError, match="q == k"):
+        layer_selection(pat[:, :, :3], v)
+    with pytest.raises(ValueError, match="does not match"):
+        layer_selection(pat, v[:, :4])
+    with pytest.raises(IndexError, match="sink"):
+        layer_selection(pat, v, sink_positions=[5])
+    with pytest.raises(ValueError, match="W_O"):
+        layer_selection(pat, v, projected=True)
+    with pytest.raises(ValueError, match="n_random"):
+        layer_selection(pat, v, n_random=-1)
+    with pytest.raises(ValueError, match="query_stride"):
+        layer_selection(pat, v, query_stride=0)
+    model = make_tiny(n_layers=2)
+    with pytest.raises(IndexError):
+        token_selection(model, random_tokens(1, 5), layers=[2])
+
+    def boom(t: torch.Tensor, hook: object) -> torch.Tensor:
+        raise RuntimeError("boom")
+
+    with pytest.raises(RuntimeError, match="boom"):
+        token_selection(model, random_tokens(1, 5), extra_hooks=[("blocks.1.attn.hook_pattern", boom)])
+    assert not has_hooks(model)
+
+
+# --------------------------------------------------------------------------- the sink-aware bound
+
+
+def regime_values(
+    b: int,
+    k: int,
+    h: int,
+    d: int,
+    nu: float,
+    rho: float,
+    kappa: float,
+    seed: int,
+    n_sinks: int = 1,
+    spread: float = 1.0,
+) -> torch.Tensor:
+    """Values satisfying the regime exactly: non-sink norms in [nu, spread*nu], sink norms in
+    [rho*nu, spread*rho*nu], cos(sink, j) = -kappa (spread = 1: the constant-norm regime)."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(b, k, h, d - 1, generator=g, dtype=F64)
+    w = w / w.norm(dim=-1, keepdim=True)
+    v = torch.empty(b, k, h, d, dtype=F64)
+    v[..., 0] = -kappa * nu
+    v[..., 1:] = math.sqrt(1 - kappa**2) * nu * w
+    v[:, :n_sinks] = 0
+    v[:, :n_sinks, :, 0] = rho * nu
+    return v * (1 + (spread - 1) * torch.rand(b, k, h, 1, generator=g, dtype=F64))
+
+
+def true_params(
+    v: torch.Tensor, nu: float, rho: float, kappa: float, n_sinks: int = 1, spread: float = 1.0
+) -> BoundParams:
+    """The regime's parameters (the construction's norm bands), with mu the largest non-sink cosine
+    found by explicit loops."""
+    h = v.shape[2]
+    mu = []
+    for hi in range(h):
+        best = -1.0
+        for bi in range(v.shape[0]):
+            for j in range(n_sinks, v.shape[1]):
+                for k2 in range(j + 1, v.shape[1]):
+                    best = max(
+                        best, float(torch.nn.functional.cosine_similarity(v[bi, j, hi], v[bi, k2, hi], dim=0))
+                    )
+        mu.append(best)
+    full = torch.full((h,), 1.0, dtype=F64)
+    return BoundParams(
+        nu=full * nu,
+        nu_min=full * nu,
+        nu_max=full * nu * spread,
+        sink_min=full * rho * nu,
+        sink_max=full * rho * nu * spread,
+        mu=torch.tensor(mu, dtype=F64),
+        kappa=full * kappa,
+        rho=full * rho,
+    )
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    k=st.integers(3, 10),
+    d=st.integers(3, 7),
+    nu=st.floats(0.3, 5.0),
+    rho=st.floats(0.05, 0.95),
+    kappa=st.floats(0.0, 0.95),
+    boost=st.floats(-1.0, 5.0),
+    scale=st.floats(0.2, 5.0),
+    n_sinks=st.integers(1, 2),
+    spread=st.sampled_from([1.0, 1.0, 1.3, 2.5]),
+    seed=st.integers(0, 10_000),
+)
+def test_bound_holds_on_synthetic_regime(
+    k: int,
+    d: int,
+    nu: float,
+    rho: float,
+    kappa: float,
+    boost: float,
+    scale: float,
+    n_sinks: int,
+    spread: float,
+    seed: int,
+) -> None:
+    b, h = 1, 2
+    v = regime_values(b, k, h, d, nu, rho, kappa, seed, n_sinks, spread)
+    pat = causal_pattern(b, h, k, seed + 1, scale=scale, sink_boost=boost)
+    params = true_params(v, nu, rho, kappa, n_sinks, spread)
+    sinks = list(range(n_sinks))
+    cand = candidate_mask(k)
+    sink_mask = torch.zeros(k, dtype=torch.bool)
+    sink_mask[sinks] = True
+    for n in (1, 2, 3, 5):
+        mem = (source_ranks(pat, cand) < n) & cand
+        bound, m_plus, q_minus = sink_aware_bound(pat, mem, cand, sink_mask, params)
+        upper, lower = bound_radii(pat, mem, cand, sink_mask, params)
+        for hi in range(h):
+            for i in range(k):
+                top = brute_top(pat[0, hi, i].tolist(), list(range(i + 1)), n)
+                dd = brute_distances(pat[0, hi, i], v[0, :, hi], top, list(range(i + 1)))
+                f = brute_f(dd, set(top))
+                m, q = brute_mq(dd, set(top))
+                for j, dj in dd.items():  # steps 3 and 5 of the proof, source by source
+                    if j in top:
+                        assert upper[0, hi, i, j].item() >= dj - 1e-9 and math.isnan(
+                            lower[0, hi, i, j].item()
+                        )
+                    else:
+                        assert lower[0, hi, i, j].item() <= dj + 1e-9 and math.isnan(
+                            upper[0, hi, i, j].item()
+                        )
+                assert m <= m_plus[0, hi, i] and q >= q_minus[0, hi, i]
+                assert bound[0, hi, i].item() <= f + 1e-12
+    # the fitted parameters recover the construction
+    if spread != 1.0:
+        return
+    fit = fit_bound_params(v, sinks)
+    assert torch.allclose(fit.nu_min, params.nu_min) and torch.allclose(fit.nu_max, params.nu_max)
+    assert torch.allclose(fit.sink_max, params.sink_max) and torch.allclose(fit.kappa, params.kappa)
+    assert torch.allclose(fit.rho, params.rho)
+    if k - n_sinks >= 2:  # mu needs a pair of non-sink values
+        assert torch.allclose(fit.mu, params.mu)
+
+
+def test_bound_is_tight_for_n1_and_informative() -> None:
+    k = 12
+    v = regime_values(2, k, 3, 6, nu=2.0, rho=0.3, kappa=0.5, seed=1)
+    pat = causal_pattern(2, 3, k, seed=2, scale=3.0, sink_boost=2.0)
+    params = true_params(v, 2.0, 0.3, 0.5)
+    cand = candidate_mask(k)
+    sink_mask = torch.arange(k) == 0
+    mem = (source_ranks(pat, cand) < 1) & cand
+    bound = sink_aware_bound(pat, mem, cand, sink_mask, params)[0]
+    assert torch.equal(bound, torch.ones_like(bound))  # strict top everywhere (continuous weights)
+    # with a larger N the bound is still a non-trivial fraction on this peaked profile
+    mem2 = (source_ranks(pat, cand) < 2) & cand
+    assert sink_aware_bound(pat, mem2, cand, sink_mask, params)[0][:, :, 1:].mean() > 0.5
+
+
+def test_wrong_regime_parameters_can_break_the_bound() -> None:
+    """The bound is only as good as its assumptions: claiming anti-alignment that is absent fails."""
+    k = 10
+    v = regime_values(1, k, 1, 4, nu=1.0, rho=0.9, kappa=0.0, seed=3)
+    v[:, 0] = v[:, 5]  # the sink is a copy of a non-sink value: cos = 1, not -kappa
+    pat = causal_pattern(1, 1, k, seed=4, scale=0.3)
+    cand = candidate_mask(k)
+    sink_mask = torch.arange(k) == 0
+    honest = fit_bound_params(v, [0])
+    lying = BoundParams(**{**honest.as_dict(), "kappa": torch.ones(1, dtype=F64)})
+    mem = (source_ranks(pat, cand) < 3) & cand
+    d = selection_distances(pat, v, mem)
+    f = extreme_f_score(d, mem, cand)
+    assert (sink_aware_bound(pat, mem, cand, sink_mask, honest)[0] <= f + 1e-12)[..., 2:].all()
+    assert (sink_aware_bound(pat, mem, cand, sink_mask, lying)[0] > f + 1e-12).any()
