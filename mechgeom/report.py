@@ -61,6 +61,7 @@ __all__ = [
     "build_report",
     "circuitsvis_bundle",
     "contributions_html",
+    "faithfulness_order",
     "figure_png",
     "html_document",
     "strip_circuitsvis_bundle",
@@ -532,6 +533,34 @@ def _faithfulness_params(s: ReportSettings) -> dict[str, Any]:
     }
 
 
+def faithfulness_order(frame: pd.DataFrame, claimed: Sequence[str]) -> list[str]:
+    """One sentence per mode: the metrics by mean ΔPPL over the rates > 0 (most faithful first) and whether
+    paper A's order ``claimed[0] < claimed[1] < ...`` (least to most faithful) holds, holds only up to ties
+    (equal means: identical rankings, e.g. intra-head value-weighted and output-normalised), or fails."""
+    area = frame[frame["rate"] > 0].groupby(["mode", "metric"])["delta_ppl"].mean()
+    lines = []
+    for mode, higher in (("comprehensiveness", True), ("sufficiency", False)):
+        if mode not in area.index.get_level_values(0):
+            continue
+        by_metric = area[mode]
+        ranked = by_metric.sort_values(ascending=not higher)
+        ranking = " > ".join(f"{m} ({v:+.3g})" for m, v in ranked.items())
+        vals = [float(by_metric.get(m, np.nan)) for m in claimed]
+        better = [(b - a) if higher else (a - b) for a, b in itertools.pairwise(vals)]  # > 0: claimed order
+        tied = [f"{x} = {y}" for (x, y), d in zip(itertools.pairwise(claimed), better, strict=True) if d == 0]
+        if all(d > 0 for d in better):
+            verdict = "holds"
+        elif all(d >= 0 for d in better):
+            verdict = f"holds up to ties ({', '.join(tied)}: identical rankings)"
+        else:
+            verdict = "does not hold"
+        lines.append(
+            f"{mode} (mean ΔPPL over rates > 0; {'higher' if higher else 'lower'} = more faithful), most "
+            f"faithful first: {ranking}. Paper A's order {' < '.join(claimed)}: {verdict} here."
+        )
+    return lines
+
+
 def _run_faithfulness(ctx: _Context, p: dict[str, Any]) -> StageOutput:
     from mechgeom.faithfulness import perplexity_curves, plot_curves
 
@@ -549,30 +578,7 @@ def _run_faithfulness(ctx: _Context, p: dict[str, Any]) -> StageOutput:
         verbose=ctx.verbose,
     )
     fig = plot_curves(frame, title=f"{ctx.settings.model}: all layers masked at once")
-    summary = []
-    area = frame[frame["rate"] > 0].groupby(["mode", "metric"])["delta_ppl"].mean()
-    claimed = [m for m in p["metrics"] if m != "random"]
-    for mode, higher in (("comprehensiveness", True), ("sufficiency", False)):
-        if mode not in area.index.get_level_values(0):
-            continue
-        s = area[mode].sort_values(ascending=not higher)
-        ranking = " > ".join(f"{m} ({v:+.3g})" for m, v in s.items())
-        vals = [float(area[mode].get(m, np.nan)) for m in claimed]
-        better = [
-            (b - a) if higher else (a - b) for a, b in itertools.pairwise(vals)
-        ]  # > 0: in claimed order
-        tied = [f"{x} = {y}" for (x, y), d in zip(itertools.pairwise(claimed), better, strict=True) if d == 0]
-        verdict = (
-            "holds"
-            if all(d > 0 for d in better)
-            else f"holds up to ties ({', '.join(tied)}: identical rankings)"
-            if all(d >= 0 for d in better)
-            else "does not hold"
-        )
-        summary.append(
-            f"{mode} (mean ΔPPL over rates > 0; {'higher' if higher else 'lower'} = more faithful), most "
-            f"faithful first: {ranking}. Paper A's order {' < '.join(claimed)}: {verdict} here."
-        )
+    summary = faithfulness_order(frame, [m for m in p["metrics"] if m != "random"])
     clean = float(frame["clean_ppl"].iloc[0])
     summary.append(
         f"Clean perplexity {clean:.2f} on {p['n_texts']} windows; rates {p['rates']}; bands are 95% bootstrap "

@@ -128,6 +128,40 @@ def test_score_summary_matches_python_loops() -> None:
         assert got["top1_agreement"][hh] == pytest.approx(agree / n_q, rel=1e-6)
 
 
+def _faith_frame(comp: list[float], suff: list[float]) -> Any:
+    import pandas as pd
+
+    metrics = ["attention", "value_weighted", "value_weighted_normalized", "contribution"]
+    rows = [
+        {"mode": mode, "metric": m, "rate": 0.0, "delta_ppl": 0.0}
+        for mode in ("comprehensiveness", "sufficiency")
+        for m in metrics
+    ]
+    for mode, vals in (("comprehensiveness", comp), ("sufficiency", suff)):
+        for m, v in zip(metrics, vals, strict=True):
+            rows += [
+                {"mode": mode, "metric": m, "rate": r, "delta_ppl": v + d}
+                for r, d in ((0.3, -1.0), (0.6, 1.0))
+            ]
+    return pd.DataFrame(rows), metrics
+
+
+def test_faithfulness_order_verdicts() -> None:
+    frame, metrics = _faith_frame([1, 2, 3, 4], [4, 3, 2, 1])
+    comp, suff = report.faithfulness_order(frame, metrics)
+    assert comp.endswith("holds here.") and suff.endswith("holds here.")
+    assert "most faithful first: contribution (+4) > value_weighted_normalized (+3)" in comp
+    assert "most faithful first: contribution (+1) > value_weighted_normalized (+2)" in suff
+    frame, _ = _faith_frame([1, 2, 2, 4], [4, 3, 3, 1])
+    comp, suff = report.faithfulness_order(frame, metrics)
+    assert (
+        "holds up to ties (value_weighted = value_weighted_normalized" in comp and "holds up to ties" in suff
+    )
+    frame, _ = _faith_frame([4, 2, 3, 1], [4, 3, 2, 1])
+    comp, suff = report.faithfulness_order(frame, metrics)
+    assert comp.endswith("does not hold here.") and suff.endswith("holds here.")
+
+
 def test_spread_layers() -> None:
     assert report._spread_layers(30, 4) == [0, 10, 19, 29]
     assert report._spread_layers(2, 4) == [0, 1]
