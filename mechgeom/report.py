@@ -391,33 +391,62 @@ def _filter_heads(result: Any, layer: int, batch: int, heads: Sequence[int]) -> 
 
 
 def _contribution_params(s: ReportSettings) -> dict[str, Any]:
-    return {"n_texts": s.n_texts, "metrics": ["attention", "value_weighted_normalized", "contribution"]}
+    return {
+        "n_texts": s.n_texts,
+        "metrics": ["attention", "value_weighted_normalized", "contribution"],
+        "batch_size": 4,
+    }
 
 
-def _score_summary(a: torch.Tensor, vn: torch.Tensor, c: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Per-head means over texts and queries ``i >= 1`` of ``[batch, head, q, k]`` attention ``a``,
-    output-normalised value weights ``vn`` and contribution weights ``c`` (NaN rows skipped):
-    the share of each on the sink (position 0), the share of negative ``c``, how often ``a`` and ``c``
-    pick the same top source (ties: the lower position), and the total-variation distance
-    ``0.5 sum_j |c - a|``. Rows where ``c`` is NaN (zero output norm) are left out of the ``c`` statistics."""
+def _score_sums(
+    a: torch.Tensor, vn: torch.Tensor, c: torch.Tensor
+) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Per-head ``(sum, count)`` pairs over texts and queries ``i >= 1`` of ``[batch, head, q, k]``
+    attention ``a``, output-normalised value weights ``vn`` and contribution weights ``c``, so that batches
+    add up (see :func:`_score_summary`)."""
     q, k = a.shape[-2:]
     mask = torch.ones(q, k, dtype=torch.bool, device=a.device).tril()  # [q k]: sources j <= i
     valid = mask & ~torch.isnan(c)  # [b h q k]
     a_top = a.masked_fill(~mask, -math.inf).argmax(-1)  # [b h q]
     c_top = c.masked_fill(~valid, -math.inf).argmax(-1)
-    row_ok = valid.any(-1)  # [b h q]: rows with a finite contribution (not a zero output norm)
-    tv = 0.5 * (c - a).abs().masked_fill(~mask, 0.0).sum(-1)  # [b h q]; NaN rows stay NaN
+    row_ok = valid.any(-1)[..., 1:]  # [b h q-1]: rows with a finite contribution (not a zero output norm)
+    tv = 0.5 * (c - a).abs().masked_fill(~mask, 0.0).sum(-1)[..., 1:]  # [b h q-1]; NaN rows stay NaN
     dims = (0, 2)
-    n_valid = valid[..., 1:, :].sum((0, 2, 3)).clamp_min(1)
+
+    def nan_pair(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        ok = ~torch.isnan(x)
+        return torch.where(ok, x, 0.0).sum(dims), ok.sum(dims)
+
     return {
-        "sink_attention": a[..., 1:, 0].mean(dims),
-        "sink_value_weighted_normalized": vn[..., 1:, 0].nanmean(dims),
-        "sink_contribution": c[..., 1:, 0].nanmean(dims),
-        "negative_share": ((c < 0) & valid)[..., 1:, :].sum((0, 2, 3)) / n_valid,
-        "top1_agreement": ((a_top == c_top) & row_ok)[..., 1:].sum(dims)
-        / row_ok[..., 1:].sum(dims).clamp_min(1),
-        "tv_attention_contribution": tv[..., 1:].nanmean(dims),
+        "sink_attention": (a[..., 1:, 0].sum(dims), torch.full_like(a[0, :, 0, 0], a.shape[0] * (q - 1))),
+        "sink_value_weighted_normalized": nan_pair(vn[..., 1:, 0]),
+        "sink_contribution": nan_pair(c[..., 1:, 0]),
+        "negative_share": (((c < 0) & valid)[..., 1:, :].sum((0, 2, 3)), valid[..., 1:, :].sum((0, 2, 3))),
+        "top1_agreement": (((a_top == c_top)[..., 1:] & row_ok).sum(dims), row_ok.sum(dims)),
+        "tv_attention_contribution": nan_pair(tv),
     }
+
+
+def _finish(sums: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    return {k: (s.double() / n.double()).where(n > 0, torch.nan).float() for k, (s, n) in sums.items()}
+
+
+def _add_sums(
+    acc: dict[str, tuple[torch.Tensor, torch.Tensor]] | None,
+    new: dict[str, tuple[torch.Tensor, torch.Tensor]],
+) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    if acc is None:
+        return {k: (s.double(), n.double()) for k, (s, n) in new.items()}
+    return {k: (acc[k][0] + s.double(), acc[k][1] + n.double()) for k, (s, n) in new.items()}
+
+
+def _score_summary(a: torch.Tensor, vn: torch.Tensor, c: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Per-head means over texts and queries ``i >= 1`` of ``[batch, head, q, k]`` attention ``a``,
+    output-normalised value weights ``vn`` and contribution weights ``c``: the share of each on the sink
+    (position 0), the share of negative ``c``, how often ``a`` and ``c`` pick the same top source (ties: the
+    lower position), and the total-variation distance ``0.5 sum_j |c - a|``. Rows where ``c`` is NaN (zero
+    output norm) are left out of the ``c`` statistics."""
+    return _finish(_score_sums(a, vn, c))
 
 
 def _heatmaps(df: pd.DataFrame, cols: Sequence[tuple[str, str]]) -> Any:
@@ -444,33 +473,39 @@ def _run_contributions(ctx: _Context, p: dict[str, Any]) -> StageOutput:
     model = ctx.model
     tokens = ctx.tokens[: p["n_texts"]]
     metrics = p["metrics"]
-    head_rows: list[pd.DataFrame] = []
-    layer_rows: list[pd.DataFrame] = []
+    head_sums: dict[int, dict[str, tuple[torch.Tensor, torch.Tensor]]] = {}
+    layer_sums: dict[int, dict[str, tuple[torch.Tensor, torch.Tensor]]] = {}
     first: dict[int, dict[str, dict[str, torch.Tensor]]] = {}
 
     def on_layer(layer: int, m: dict[str, dict[str, torch.Tensor]]) -> None:
         intra, inter = m["intra"], m["inter"]  # [b h q k] and [b q k]
-        s = _score_summary(intra["attention"], intra["value_weighted_normalized"], intra["contribution"])
-        frame = pd.DataFrame({k: v.numpy() for k, v in s.items()})
-        frame.insert(0, "head", range(len(frame)))
-        frame.insert(0, "layer", layer)
-        head_rows.append(frame)
-        s_l = _score_summary(
-            inter["attention"][:, None],
-            inter["value_weighted_normalized"][:, None],
-            inter["contribution"][:, None],
-        )
-        layer_rows.append(pd.DataFrame({"layer": [layer], **{k: v.numpy() for k, v in s_l.items()}}))
-        first[layer] = {
-            "intra": {k: intra[k][:1].clone() for k in ("attention", "contribution")},
-            "inter": {k: inter[k][:1].clone() for k in ("attention", "contribution")},
-        }
+        names = ("attention", "value_weighted_normalized", "contribution")
+        head_sums[layer] = _add_sums(head_sums.get(layer), _score_sums(*(intra[k] for k in names)))
+        layer_sums[layer] = _add_sums(layer_sums.get(layer), _score_sums(*(inter[k][:, None] for k in names)))
+        if layer not in first:  # text 0 (first batch) for the view
+            first[layer] = {
+                "intra": {k: intra[k][:1].clone() for k in ("attention", "contribution")},
+                "inter": {k: inter[k][:1].clone() for k in ("attention", "contribution")},
+            }
 
     col = ContributionCollector(model, None, intra=metrics, inter=metrics, on_layer=on_layer)
-    for start in progress(range(0, tokens.shape[0], 4), desc="contributions", enabled=ctx.verbose):
-        run_hooks(model, tokens[start : start + 4], col.fwd_hooks)
-    heads = pd.concat(head_rows, ignore_index=True)
-    layers = pd.concat(layer_rows, ignore_index=True)
+    batch = p["batch_size"]
+    starts = range(0, tokens.shape[0], batch)
+    for start in progress(starts, desc="contributions", enabled=ctx.verbose, total=len(starts)):
+        run_hooks(model, tokens[start : start + batch], col.fwd_hooks)
+    frames = []
+    for layer in sorted(head_sums):
+        frame = pd.DataFrame({k: v.numpy() for k, v in _finish(head_sums[layer]).items()})
+        frame.insert(0, "head", range(len(frame)))
+        frame.insert(0, "layer", layer)
+        frames.append(frame)
+    heads = pd.concat(frames, ignore_index=True)
+    layers = pd.DataFrame(
+        [
+            {"layer": la, **{k: float(v[0]) for k, v in _finish(layer_sums[la]).items()}}
+            for la in sorted(layer_sums)
+        ]
+    )
     tv = layers["tv_attention_contribution"].to_numpy()
     view_layer = int(layers["layer"].to_numpy()[int(np.nanargmax(tv)) if np.isfinite(tv).any() else 0])
     one = ContributionResult(

@@ -21,6 +21,7 @@ causal attention.
 from __future__ import annotations
 
 import html
+import operator
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -85,9 +86,13 @@ def _panel_html(caption: str, part: _Rendered) -> str:
 
 
 def _check_index(value: int, size: int, what: str) -> int:
-    if not isinstance(value, int) or not 0 <= value < size:
+    try:
+        index = operator.index(value)  # ints, numpy integers, 0-d integer tensors
+    except TypeError:
+        raise IndexError(f"{what} {value!r} is not an integer index") from None
+    if not 0 <= index < size:
         raise IndexError(f"{what} {value!r} out of range (0..{size - 1})")
-    return value
+    return index
 
 
 def _intra(
@@ -165,8 +170,8 @@ def head_view(
     """
     li = result.layer_index(layer)
     n_batch, _, n_heads = _intra(result, metrics[0]).shape[:3]
-    _check_index(batch, n_batch, "batch")
-    _check_index(head, n_heads, "head")
+    batch = _check_index(batch, n_batch, "batch")
+    head = _check_index(head, n_heads, "head")
     panels, n_nan = [], 0
     for m in metrics:
         t, n = _display(_intra(result, m)[batch, li, head])
@@ -190,7 +195,7 @@ def layer_view(
     panel (mean attention, layer contribution weights), where the result holds it."""
     li = result.layer_index(layer)
     n_batch, _, n_heads = _intra(result, metrics[0]).shape[:3]
-    _check_index(batch, n_batch, "batch")
+    batch = _check_index(batch, n_batch, "batch")
     panels, names, n_nan = [], [], 0
     for m in metrics:
         for h in range(n_heads):
@@ -223,14 +228,14 @@ def token_view(
 
     li = result.layer_index(layer)
     n_batch, n_pos = result.tokens.shape
-    _check_index(batch, n_batch, "batch")
-    _check_index(query, n_pos, "query")
+    batch = _check_index(batch, n_batch, "batch")
+    query = _check_index(query, n_pos, "query")
     if head is None:
         row = _inter(result, metric)[batch, li, query, : query + 1]
         where = f"layer {layer} (all heads)"
     else:
         full = _intra(result, metric)
-        _check_index(head, full.shape[2], "head")
+        head = _check_index(head, full.shape[2], "head")
         row = full[batch, li, head, query, : query + 1]
         where = f"layer {layer}, head {head}"
     values, n_nan = _display(row)

@@ -128,6 +128,40 @@ def test_score_summary_matches_python_loops() -> None:
         assert got["top1_agreement"][hh] == pytest.approx(agree / n_q, rel=1e-6)
 
 
+def test_score_sums_add_up_over_batches() -> None:
+    g = torch.Generator().manual_seed(1)
+    a = torch.rand(5, 2, 7, 7, generator=g).tril()
+    a = a / a.sum(-1, keepdim=True)
+    vn, c = torch.rand(5, 2, 7, 7, generator=g).tril(), torch.randn(5, 2, 7, 7, generator=g).tril()
+    c[3, 1, 2] = float("nan")
+    whole = report._score_summary(a, vn, c)
+    acc = None
+    for sl in (slice(0, 2), slice(2, 3), slice(3, 5)):
+        acc = report._add_sums(acc, report._score_sums(a[sl], vn[sl], c[sl]))
+    assert acc is not None
+    for k, v in report._finish(acc).items():
+        torch.testing.assert_close(v, whole[k], msg=k)
+
+
+def test_contributions_stage_streams_batches(tmp_path: Path) -> None:
+    # 6 texts = two batches of the stage: one row per (layer, head), equal to the one-pass summary.
+    import pandas as pd
+
+    from mechgeom import contribution_weights
+
+    model, tokens = make_tiny(), random_tokens(6, 8)
+    report.build_report(tmp_path, model=model, tokens=tokens, stages=["contributions"], verbose=False)
+    df = pd.read_csv(tmp_path / "contributions.csv")
+    assert len(df) == 2 * 4 and not df.duplicated(["layer", "head"]).any()
+    res = contribution_weights(model, tokens, layers=[1])
+    direct = report._score_summary(
+        *(res.intra[k][:, 0] for k in ("attention", "value_weighted_normalized", "contribution"))
+    )
+    got = df[df["layer"] == 1].sort_values("head")
+    for k, v in direct.items():
+        assert got[k].to_numpy() == pytest.approx(v.numpy(), rel=1e-5, abs=1e-7), k
+
+
 def _faith_frame(comp: list[float], suff: list[float]) -> Any:
     import pandas as pd
 

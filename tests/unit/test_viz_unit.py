@@ -163,3 +163,13 @@ def test_bad_indices_raise(result) -> None:
         head_view(result, 0, 0, metrics=("attention", "no_such"))
     with pytest.raises(KeyError, match="head_share"):
         token_view(result, 0, 3, metric="head_share")
+
+
+def test_numpy_and_tensor_indices_are_accepted(result) -> None:
+    import numpy as np
+
+    a = head_view(result, 1, np.int64(2)).panels[0][1].local_src
+    b = head_view(result, 1, torch.tensor(2)).panels[0][1].local_src
+    assert props_of(a, "AttentionHeads")["attention"] == props_of(b, "AttentionHeads")["attention"]
+    with pytest.raises(IndexError, match="not an integer"):
+        token_view(result, 0, 2.5)  # type: ignore[arg-type]
