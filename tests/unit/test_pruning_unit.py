@@ -180,6 +180,61 @@ def test_no_hooks_left_after_exception(monkeypatch):
         assert not has_hooks(model)
 
 
+def test_removal_composes_with_transformer_lens_patching_and_the_collector():
+    """Head removal under ``model.hooks`` stays active inside ``transformer_lens.patching`` sweeps, and a
+    contribution collector beside it sees the ablated ``z``; nothing is left attached afterwards."""
+    from transformer_lens import patching
+
+    from mechgeom import ContributionCollector, contribution_weights
+
+    model = make_tiny(n_kv=2, b_O=True, seed=21)
+    clean, corrupted = random_tokens(2, 7, seed=22), random_tokens(2, 7, seed=23)
+    _, clean_cache = model.run_with_cache(clean)
+    removed = [(0, 1), (1, 3)]
+
+    def metric(logits):
+        return logits[:, -1, 5].mean()
+
+    with torch.no_grad(), model.hooks(fwd_hooks=head_ablation_hooks(model, removed)):
+        got = patching.get_act_patch_attn_head_out_all_pos(model, corrupted, clean_cache, metric)
+        assert has_hooks(model)  # the sweep's own hooks went, ours stayed
+    assert not has_hooks(model)
+
+    # brute force: the removal hooks first, then a hand-written patch of one head's z
+    def patch(z, hook, head):
+        z = z.clone()
+        z[:, :, head] = clean_cache[hook.name][:, :, head]
+        return z
+
+    want = torch.zeros(model.cfg.n_layers, model.cfg.n_heads)
+    for layer, head in itertools.product(range(model.cfg.n_layers), range(model.cfg.n_heads)):
+        hooks = [
+            *head_ablation_hooks(model, removed),
+            (f"blocks.{layer}.attn.hook_z", lambda z, hook, h=head: patch(z, hook, h)),
+        ]
+        with torch.no_grad():
+            want[layer, head] = metric(model.run_with_hooks(corrupted, fwd_hooks=hooks))
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+    with torch.no_grad():
+        plain = patching.get_act_patch_attn_head_out_all_pos(model, corrupted, clean_cache, metric)
+    assert not torch.allclose(plain, got)  # the removal mattered, so the comparison above could fail
+
+    col = ContributionCollector(model, layers=[0], intra=["contribution"], inter=[])
+    with torch.no_grad():
+        model.run_with_hooks(corrupted, fwd_hooks=[*head_ablation_hooks(model, removed), *col.fwd_hooks])
+    assert not has_hooks(model)
+    res = col.result(corrupted).intra["contribution"][:, 0]  # [b h q k]
+    ref = contribution_weights(model, corrupted, layers=[0]).intra["contribution"][:, 0]
+    causal = torch.ones(7, 7, dtype=torch.bool).tril()
+    assert torch.isnan(
+        res[:, 1][:, causal]
+    ).all()  # the removed head's output is zero: NaN rows, as documented
+    keep = [0, 2, 3]
+    torch.testing.assert_close(
+        res[:, keep], ref[:, keep], equal_nan=True
+    )  # other heads of the layer untouched
+
+
 # --------------------------------------------------------------------------- statistics and orders
 
 
