@@ -1,6 +1,7 @@
 """Benchmark: contribution weights (SPEC.md §A) on SmolLM2-135M, against a plain cache and a naive reference.
 
-For each input shape (batch x tokens) it measures, each in a fresh worker process:
+For each input shape (batch x tokens) it measures, side by side in one process (``--isolate``: each in a
+fresh worker process instead):
 
 (a) ``run_with_cache`` of the activations the metrics need (``hook_pattern``, ``hook_v``, ``hook_z`` of all
     30 layers, ``names_filter``), ``return_type=None``: the forward pass a user pays to get the inputs.
@@ -18,8 +19,8 @@ For each input shape (batch x tokens) it measures, each in a fresh worker proces
     first layers are run and the time is extrapolated linearly to all 30 (every layer costs the same); the
     table says so.
 
-Time: median of ``--repeats`` runs after one warm-up run ((c): one run). Memory: peak resident set size of
-the worker during its first run minus its resident size just before (Linux ``/proc/self/status``
+Time: median of ``--repeats`` runs after one warm-up run ((c): one run); in one process the rounds are
+interleaved (a, b, b', a, b, b', ...). Memory: peak resident set size of the process during the first run minus its resident size just before (Linux ``/proc/self/status``
 ``VmHWM`` after resetting it through ``/proc/self/clear_refs``): everything the process touches, torch
 tensors included, on top of the loaded model and the input tokens.
 
@@ -212,6 +213,33 @@ def worker(args: argparse.Namespace) -> None:
     print("RESULT " + json.dumps(out), flush=True)
 
 
+def in_process(model: Any, batch: int, seq: int, args: argparse.Namespace) -> dict[str, dict[str, Any]]:
+    """All four measurements of one shape side by side in this process: one cold run of each of (a), (b),
+    (b') for peak memory, then ``--repeats`` interleaved rounds (a, b, b', a, b, b', ...) so that any
+    outside load hits them alike, then (c) once."""
+    from mechgeom.data import load_corpus
+
+    tokens = load_corpus("wikitext2", model, n_texts=batch, seq_len=seq, seed=0)
+    fns = {
+        "cache": lambda: run_cache(model, tokens),
+        "mechgeom": lambda: run_mechgeom(model, tokens),
+        "reuse": lambda: run_mechgeom(model, tokens, reuse_buffers=True),
+    }
+    res: dict[str, dict[str, Any]] = {}
+    for kind, fn in fns.items():
+        _, mb, out = measure(fn)
+        del out
+        res[kind] = {"peak_mb": mb, "times": []}
+    for _ in range(args.repeats):
+        for kind, fn in fns.items():
+            dt, _, out = measure(fn)
+            del out
+            res[kind]["times"].append(dt)
+    _, mb, info = measure(lambda: run_naive(model, tokens, args.naive_budget, args.chunk_mb))
+    res["naive"] = {**info, "peak_mb": mb, "times": [info["total_s"]]}
+    return res
+
+
 def spawn(kind: str, batch: int, seq: int, args: argparse.Namespace) -> dict[str, Any]:
     cmd = [
         sys.executable,
@@ -261,6 +289,11 @@ def main() -> None:
         help="set THP_MEM_ALLOC_ENABLE=1 in the workers (PyTorch backs large CPU tensors by huge pages: "
         "fewer page faults for every measurement)",
     )
+    ap.add_argument(
+        "--isolate",
+        action="store_true",
+        help="run each measurement in its own worker process (default: all side by side in this process)",
+    )
     ap.add_argument("--out", default="results/contribution/smollm2-135m/benchmark.md")
     ap.add_argument("--worker", choices=["cache", "mechgeom", "reuse", "naive"], help=argparse.SUPPRESS)
     ap.add_argument("--batch", type=int, default=1, help=argparse.SUPPRESS)
@@ -270,12 +303,23 @@ def main() -> None:
         worker(args)
         return
 
+    if args.thp:
+        os.environ["THP_MEM_ALLOC_ENABLE"] = "1"  # read when torch starts
     import torch
 
+    model = None
+    if not args.isolate:
+        torch.set_num_threads(args.threads)
+        from mechgeom import load_model
+
+        model = load_model(args.model)
     rows = []
     for shape in args.shapes.split(","):
         batch, seq = (int(x) for x in shape.lower().split("x"))
-        res = {kind: spawn(kind, batch, seq, args) for kind in ("cache", "mechgeom", "reuse", "naive")}
+        if model is None:
+            res = {kind: spawn(kind, batch, seq, args) for kind in ("cache", "mechgeom", "reuse", "naive")}
+        else:
+            res = in_process(model, batch, seq, args)
         ta = statistics.median(res["cache"]["times"])
         tb = statistics.median(res["mechgeom"]["times"])
         tr = statistics.median(res["reuse"]["times"])
@@ -318,6 +362,7 @@ def main() -> None:
     lines = [
         f"Contribution weights on {args.model}, all 30 layers, CPU ({cpu}), {args.threads} threads, "
         f"torch {torch.__version__}{', THP_MEM_ALLOC_ENABLE=1' if args.thp else ''}; "
+        f"{'each measurement in its own worker process' if args.isolate else 'side by side in one process'}; "
         f"median of {args.repeats} runs after a warm-up ((c): one run).",
         "",
         "| batch × tokens | (a) run_with_cache | (b) mechgeom, full family | (b′) same, reuse_buffers "

@@ -460,11 +460,13 @@ def _value_weighted_inter(
 ) -> Float[Tensor, "batch q k"]:
     """``‖sum_h alpha[h,i,j] vt[j,h]‖ = sqrt(sum_{h,g} alpha[h,i,j] alpha[g,i,j] G_j[h,g])`` (``G`` symmetric)."""
     n_heads = alpha.shape[1]
+    twice = gram * 2.0  # [h g b k]: pre-scaled, since addcmul_(value=2) with broadcasting is a slow path
     sq = torch.zeros_like(alpha[:, 0]) if out is None else out.zero_()
+    acc = torch.empty_like(alpha[:, 0])  # [b q k]
     for h in range(n_heads):
-        acc = alpha[:, h] * gram[h, h][:, None, :]  # [b q k]
+        torch.mul(alpha[:, h], gram[h, h][:, None, :], out=acc)
         for g in range(h + 1, n_heads):
-            acc.addcmul_(alpha[:, g], gram[h, g][:, None, :], value=2.0)
+            acc.addcmul_(alpha[:, g], twice[h, g][:, None, :])
         sq.addcmul_(acc, alpha[:, h])
     return sq.clamp_min_(0).sqrt_()
 
