@@ -20,9 +20,11 @@ fresh worker process instead):
     table says so.
 
 Time: median of ``--repeats`` runs after one warm-up run ((c): one run); in one process the rounds are
-interleaved (a, b, b', a, b, b', ...). Memory: peak resident set size of the process during the first run minus its resident size just before (Linux ``/proc/self/status``
-``VmHWM`` after resetting it through ``/proc/self/clear_refs``): everything the process touches, torch
-tensors included, on top of the loaded model and the input tokens.
+interleaved (a, b, b', a, b, b', ...). Memory, always from a fresh worker process per kind (inside one
+process the allocator keeps pages an earlier measurement touched): peak resident set size of the worker
+during its first run minus its resident size just before (Linux ``/proc/self/status`` ``VmHWM`` after
+resetting it through ``/proc/self/clear_refs``): everything the process touches, torch tensors included, on
+top of the loaded model and the input tokens.
 
     flock /tmp/heavy.lock python benchmarks/bench_contribution.py --threads 2
 """
@@ -214,9 +216,11 @@ def worker(args: argparse.Namespace) -> None:
 
 
 def in_process(model: Any, batch: int, seq: int, args: argparse.Namespace) -> dict[str, dict[str, Any]]:
-    """All four measurements of one shape side by side in this process: one cold run of each of (a), (b),
-    (b') for peak memory, then ``--repeats`` interleaved rounds (a, b, b', a, b, b', ...) so that any
-    outside load hits them alike, then (c) once."""
+    """Times of all four measurements of one shape side by side in this process: one warm-up run of each of
+    (a), (b), (b'), then ``--repeats`` interleaved rounds (a, b, b', a, b, b', ...) so that any outside load
+    hits them alike, then (c) once. Peak memory cannot be told apart inside one process (the allocator keeps
+    pages that an earlier measurement touched), so each kind's peak comes from one cold run in a fresh worker
+    (``--repeats 0``; (c): its first layer, which peaks like every other)."""
     from mechgeom.data import load_corpus
 
     tokens = load_corpus("wikitext2", model, n_texts=batch, seq_len=seq, seed=0)
@@ -225,22 +229,24 @@ def in_process(model: Any, batch: int, seq: int, args: argparse.Namespace) -> di
         "mechgeom": lambda: run_mechgeom(model, tokens),
         "reuse": lambda: run_mechgeom(model, tokens, reuse_buffers=True),
     }
-    res: dict[str, dict[str, Any]] = {}
-    for kind, fn in fns.items():
-        _, mb, out = measure(fn)
-        del out
-        res[kind] = {"peak_mb": mb, "times": []}
+    res: dict[str, dict[str, Any]] = {kind: {"times": []} for kind in fns}
+    for fn in fns.values():
+        fn()  # warm-up
     for _ in range(args.repeats):
         for kind, fn in fns.items():
             dt, _, out = measure(fn)
             del out
             res[kind]["times"].append(dt)
-    _, mb, info = measure(lambda: run_naive(model, tokens, args.naive_budget, args.chunk_mb))
-    res["naive"] = {**info, "peak_mb": mb, "times": [info["total_s"]]}
+    info = run_naive(model, tokens, args.naive_budget, args.chunk_mb)
+    res["naive"] = {**info, "times": [info["total_s"]]}
+    for kind in res:
+        res[kind]["peak_mb"] = spawn(kind, batch, seq, args, memory_only=True)["peak_mb"]
     return res
 
 
-def spawn(kind: str, batch: int, seq: int, args: argparse.Namespace) -> dict[str, Any]:
+def spawn(
+    kind: str, batch: int, seq: int, args: argparse.Namespace, *, memory_only: bool = False
+) -> dict[str, Any]:
     cmd = [
         sys.executable,
         __file__,
@@ -253,9 +259,9 @@ def spawn(kind: str, batch: int, seq: int, args: argparse.Namespace) -> dict[str
         "--threads",
         str(args.threads),
         "--repeats",
-        str(args.repeats),
+        "0" if memory_only else str(args.repeats),
         "--naive-budget",
-        str(args.naive_budget),
+        "0" if memory_only else str(args.naive_budget),
         "--chunk-mb",
         str(args.chunk_mb),
         "--model",
