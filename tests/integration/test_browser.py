@@ -270,6 +270,20 @@ def test_viz_html_renders_offline_in_chromium(tmp_path: Path) -> None:
     _assert_offline_render(page, min_views=2, global_bundle=False)  # module scripts: no global
 
 
+def test_smollm2_head_html_renders_offline_in_chromium(smollm2: Any, tmp_path: Path) -> None:
+    # The HTML a user saves for a real SmolLM2 head: attention beside contribution weights, plus the signed
+    # contributions of each source to one query.
+    from mechgeom import contribution_weights, viz
+
+    res = contribution_weights(smollm2, "The cat sat on the mat because it was tired.", layers=[5])
+    last = res.tokens.shape[1] - 1
+    path = viz.save_html(
+        [viz.head_view(res, 5, 0), viz.token_view(res, 5, query=last, head=0)], tmp_path / "head_L5H0.html"
+    )
+    page = render_page(path, SHOTS / "smollm2_head_L5H0_chromium.png")
+    _assert_offline_render(page, min_views=2, global_bundle=False)
+
+
 def test_render_page_detects_a_network_request_and_an_error(tmp_path: Path) -> None:
     # The checks above can fail: a page that fetches from the network and logs an error is caught.
     path = tmp_path / "bad.html"
