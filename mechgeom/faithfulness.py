@@ -1037,13 +1037,15 @@ def plot_curves(
     y: str | None = None,
     task: str | None = None,
     title: str | None = None,
+    yscale: str | None = None,
 ) -> Any:
     """Comprehensiveness and sufficiency curves side by side: ``y`` vs removal rate, one line per metric,
     with the bootstrap band (``ci_low``/``ci_high``) shaded.
 
     ``y`` defaults to ``delta_ppl`` (or ``delta_accuracy`` for a task table; then ``task`` picks the rows,
-    default ``"all"`` or the only task). Returns the matplotlib ``Figure``; with ``path`` (``.png`` or
-    ``.svg``) it is also saved atomically.
+    default ``"all"`` or the only task). ``yscale`` defaults to ``"symlog"`` for ``delta_ppl`` (ΔPPL spans
+    orders of magnitude between low and high removal rates; linear below 1) and ``"linear"`` otherwise.
+    Returns the matplotlib ``Figure``; with ``path`` (``.png`` or ``.svg``) it is also saved atomically.
     """
     from matplotlib.figure import Figure
 
@@ -1061,6 +1063,10 @@ def plot_curves(
         frame = frame[frame["task"] == pick]
     if path is not None and Path(path).suffix not in (".png", ".svg"):
         raise ValueError(f"figure path must end in .png or .svg, got {Path(path).name!r}")
+    if yscale is None:
+        yscale = "symlog" if y == "delta_ppl" else "linear"
+    if yscale not in ("linear", "symlog", "log"):
+        raise ValueError(f"yscale must be 'linear', 'symlog' or 'log', got {yscale!r}")
     fig = Figure(figsize=(9, 3.6), layout="constrained")
     axes = fig.subplots(1, 2, sharex=True)
     for ax, mode in zip(axes, MODES, strict=True):
@@ -1077,6 +1083,10 @@ def plot_curves(
         ax.set_xlabel("removal rate")
         ax.set_ylabel(y.replace("_", " "))
         ax.axhline(0, color="black", lw=0.5)
+        if yscale == "symlog":
+            ax.set_yscale("symlog", linthresh=1.0)
+        else:
+            ax.set_yscale(yscale)
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=8)
     if title:

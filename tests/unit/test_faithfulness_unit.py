@@ -470,7 +470,11 @@ def test_plot_curves_writes_two_panels(tmp_path) -> None:
     assert len(fig.axes) == 2 and all(
         len(ax.get_lines()) == 2 + 1 for ax in fig.axes
     )  # 2 metrics + zero line
+    assert all(ax.get_yscale() == "symlog" for ax in fig.axes)  # ΔPPL spans orders of magnitude
     fa.plot_curves(frame, tmp_path / "c.svg")
     assert (tmp_path / "c.svg").read_text().lstrip().startswith("<?xml")
+    assert fa.plot_curves(frame, y="delta_nll").axes[0].get_yscale() == "linear"
+    with pytest.raises(ValueError, match="yscale"):
+        fa.plot_curves(frame, yscale="logit")
     with pytest.raises(ValueError, match=r"png or \.svg"):
         fa.plot_curves(frame, tmp_path / "c.pdf")
