@@ -10,5 +10,5 @@ export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 MPLBACKEND=Agg
 "$VENV/bin/mypy"
 "$VENV/bin/python" -m pytest mechgeom tests -q --durations=15 "$@"
 if compgen -G "tutorials/*.ipynb" > /dev/null; then
-  "$VENV/bin/python" -m pytest --nbmake --nbmake-timeout=300 -q tutorials -p no:doctest -o addopts=""
+  "$VENV/bin/python" -m pytest --nbmake --nbmake-timeout=300 -q --durations=0 tutorials -p no:doctest -o addopts=""
 fi
