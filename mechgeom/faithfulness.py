@@ -782,12 +782,7 @@ def perplexity_curves(
         targets=torch.ones(n, pos - 1, dtype=torch.bool),
         hashes=[_unit_hash(t) for t in toks],
     )
-    settings: dict[str, Any] = {
-        "model": _model_label(model),
-        "layers": _layers_label(model, chosen),
-        "scope": scope,
-        "seed": seed,
-    }
+    settings = _settings(model, chosen, scope, seed)
     record = _sweep(
         model,
         units,
@@ -808,6 +803,16 @@ def perplexity_curves(
     if path is not None:
         write_frame(frame, path)
     return frame
+
+
+def _settings(model: Any, layers: list[int], scope: str, seed: int) -> dict[str, Any]:
+    """What a resumed sweep must match: model, layers, ranking scope and seed."""
+    return {
+        "model": _model_label(model),
+        "layers": _layers_label(model, layers),
+        "scope": scope,
+        "seed": seed,
+    }
 
 
 def _delta_ppl(x: np.ndarray) -> float:
@@ -942,12 +947,7 @@ def task_accuracy_curves(
     if not 2 <= limit <= int(model.cfg.n_ctx):
         raise ValueError(f"max_len must be in [2, n_ctx={model.cfg.n_ctx}], got {max_len}")
     units, owner = _task_units(model, items, limit)
-    settings: dict[str, Any] = {
-        "model": _model_label(model),
-        "layers": _layers_label(model, chosen),
-        "scope": scope,
-        "seed": seed,
-    }
+    settings = _settings(model, chosen, scope, seed)
     record = _sweep(
         model,
         units,

@@ -31,7 +31,7 @@ import pandas as pd
 import torch
 
 from mechgeom import load_model
-from mechgeom._io import atomic_write, write_frame
+from mechgeom._io import atomic_write, save_png, write_frame
 from mechgeom.data import load_corpus
 from mechgeom.selection import SelectionResult, token_selection
 from mechgeom.taxonomy import (
@@ -41,14 +41,6 @@ from mechgeom.taxonomy import (
     plot_regime_grid,
     regime_summary,
 )
-
-
-def _save_fig(fig: Any, path: Path) -> None:
-    import matplotlib.pyplot as plt
-
-    with atomic_write(path, "wb") as f:
-        fig.savefig(f, format="png", dpi=100)
-    plt.close(fig)
 
 
 def sink_effect(res: SelectionResult) -> pd.DataFrame:
@@ -188,7 +180,7 @@ def main(argv: list[str] | None = None) -> None:
     write_frame(sinks, out / "sink_effect.csv")
     bounds = bound_table(df, params)
     write_frame(bounds, out / "bound_by_n.csv")
-    _save_fig(selection_figure(by_n, df, f"{args.model}: extreme F-score vs N"), out / "selection_f_vs_n.png")
+    save_png(selection_figure(by_n, df, f"{args.model}: extreme F-score vs N"), out / "selection_f_vs_n.png")
     print(f"selection: {time.time() - t0:.0f} s")
     print(by_n.to_string(index=False, float_format="%.4f"))
     print(sinks.to_string(index=False, float_format="%.4f"))
@@ -221,7 +213,7 @@ def main(argv: list[str] | None = None) -> None:
         for (a, b), conf in agr.confusion.items():
             print(f"confusion {a} (rows) vs {b} (columns):\n{conf.to_string()}")
     ref = tables.get("wikitext2", next(iter(tables.values())))
-    _save_fig(
+    save_png(
         plot_regime_grid(ref, title=f"{args.model}, {ref['corpus'].iloc[0]}: head regimes"),
         out / "taxonomy_regimes.png",
     )

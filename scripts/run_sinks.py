@@ -25,7 +25,7 @@ import pandas as pd
 import torch
 
 from mechgeom import load_model
-from mechgeom._io import atomic_write, write_frame
+from mechgeom._io import atomic_write, save_png, write_frame
 from mechgeom._progress import progress
 from mechgeom.data import load_corpus
 from mechgeom.sinks import (
@@ -38,14 +38,6 @@ from mechgeom.sinks import (
     sink_ablation,
     sink_statistics,
 )
-
-
-def _save_fig(fig: Any, path: Path) -> None:
-    import matplotlib.pyplot as plt
-
-    with atomic_write(path, "wb") as f:
-        fig.savefig(f, format="png", dpi=100)
-    plt.close(fig)
 
 
 def _describe(x: pd.Series) -> dict[str, float]:
@@ -135,8 +127,8 @@ def main(argv: list[str] | None = None) -> None:
         for f in ("alpha", "ratio", "cos"):
             summary[f"factor_share_{gname}_{f}_per_head"] = _describe(heads[f"{gname}_share_{f}"])
 
-    _save_fig(plot_rate_vs_ratio(stats, space="vt"), out / "rate_vs_ratio.png")
-    _save_fig(plot_sink_rate_vs_s_star(stats), out / "s_star_vs_rate.png")
+    save_png(plot_rate_vs_ratio(stats, space="vt"), out / "rate_vs_ratio.png")
+    save_png(plot_sink_rate_vs_s_star(stats), out / "s_star_vs_rate.png")
 
     # ---- convexity by intervention on a few heads (2 texts)
     t0 = time.time()
@@ -159,7 +151,7 @@ def main(argv: list[str] | None = None) -> None:
     write_frame(conv, out / "convexity_check.csv")
     summary["convexity_check_heads"] = [list(h) for h in chosen]
     summary["convexity_check_max_abs_err"] = float(conv["max_abs_err"].max())
-    _save_fig(plot_convexity_curves(sub_stats, chosen, measured=measured), out / "convexity_curves.png")
+    save_png(plot_convexity_curves(sub_stats, chosen, measured=measured), out / "convexity_curves.png")
     print(
         f"convexity check: {time.time() - t0:.0f} s, max |closed - measured| = {conv['max_abs_err'].max():.2e}"
     )
@@ -176,7 +168,7 @@ def main(argv: list[str] | None = None) -> None:
         write_frame(res.to_frame(), out / f"ablation_all_layers_{mode}.csv")
         summary_rows.append({"scope": "all layers", **res.summary(seed=args.seed)})
         if mode == args.modes[0]:
-            _save_fig(plot_cone_shift(res), out / "cone_shift.png")
+            save_png(plot_cone_shift(res), out / "cone_shift.png")
     print(f"all-layer ablations: {time.time() - t0:.0f} s")
 
     # ---- per-layer sweep (zero mode) on the first --per-layer-texts windows
