@@ -224,10 +224,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     commands = {"models": _cmd_models, "report": _cmd_report, "contributions": _cmd_contributions}
     try:
         return commands[args.verb](args)
-    except (ValueError, IndexError, ImportError, OSError) as exc:
+    except (ValueError, TypeError, IndexError, ImportError, OSError) as exc:
         logger.error("%s", exc)
         logger.debug("traceback:", exc_info=True)
-        return 2 if isinstance(exc, (ValueError, IndexError)) else 1
+        return 2 if isinstance(exc, (ValueError, TypeError, IndexError)) else 1
     except KeyboardInterrupt:
         logger.error("interrupted; finished stages are kept: rerun the same command to resume")
         return 130

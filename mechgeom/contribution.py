@@ -23,6 +23,20 @@ Where a projected value is zero its cosine factor is 0 (then ``alpha * ratio * c
 
 **Basis.** Geometry is measured on the model as loaded (see :mod:`mechgeom.models`); ``b_O`` is
 excluded from ``o``, so ``sum_j c[h,i,j] = 1`` and ``sum_j c[i,j] = 1`` exactly.
+
+**After an intervention** (SPEC.md §A). The metrics describe the output the model actually produced,
+``o[i,h] = z[i,h] @ W_O[h]`` with ``z`` as it reached ``W_O``. Where an earlier hook changed ``hook_z``
+(head removal, mean ablation, patching from another run), ``z[i,h]`` is no longer ``sum_j alpha v_j``; the
+reader marks that head and query as *modified* (:func:`mechgeom.hooks.modified_mask`). Then:
+
+- the head's output still counts in ``o[i]``, as one part with no per-source terms, whose share
+  ``<o[i], o[i,h]> / ‖o[i]‖²`` is ``modified_share`` (0 for a zeroed head);
+- its per-source metrics are NaN (raw attention excepted: it is what the model computed), and its
+  per-source head shares ``c[h→i,j]`` are exactly 0;
+- inter-head metrics sum ``alpha vt`` over the unmodified heads only, projected on the full ``o[i]``, so
+  ``sum_j c[i,j] + sum_h modified_share[h,i] = 1`` and
+  ``sum_(h,j) c[h→i,j] + sum_h modified_share[h,i] = 1`` hold exactly. Pattern or value interventions
+  (before the readers) need none of this: ``z`` follows from what the readers saw.
 """
 
 from __future__ import annotations
@@ -41,11 +55,12 @@ from mechgeom.hooks import (
     FwdHook,
     LayerActivations,
     LayerCollector,
+    check_indices,
     head_outputs,
     run_hooks,
     to_tokens,
 )
-from mechgeom.typing import WO, Float, HeadScores, LayerScores, Pattern, Tensor, Tokens, Values, Z
+from mechgeom.typing import WO, Bool, Float, HeadScores, LayerScores, Pattern, Tensor, Tokens, Values, Z
 
 __all__ = [
     "INTER_METRICS",
@@ -97,7 +112,16 @@ class LayerGeometry:
     numbers one at a time and keep them.
     """
 
-    def __init__(self, pattern: Pattern, v: Values, z: Z, W_O: WO, *, block_size: int = BLOCK_SIZE) -> None:
+    def __init__(
+        self,
+        pattern: Pattern,
+        v: Values,
+        z: Z,
+        W_O: WO,
+        *,
+        block_size: int = BLOCK_SIZE,
+        modified: Bool[Tensor, "batch head_index query_pos"] | None = None,
+    ) -> None:
         if pattern.shape[-1] != pattern.shape[-2]:
             raise ValueError(
                 f"the pattern must be square [.., q, k] (no KV cache); got {tuple(pattern.shape)}"
@@ -107,11 +131,13 @@ class LayerGeometry:
         self.z = z
         self.W_O = W_O
         self.block_size = max(1, int(block_size))
+        #: ``[b h q]`` heads whose ``z`` an earlier hook changed (see the module docstring); ``None`` = none.
+        self.modified = modified if modified is not None and bool(modified.any()) else None
         self._metrics: dict[str, Tensor] = {}
 
     @classmethod
     def from_activations(cls, acts: LayerActivations, *, block_size: int = BLOCK_SIZE) -> LayerGeometry:
-        return cls(acts.pattern, acts.v, acts.z, acts.W_O, block_size=block_size)
+        return cls(acts.pattern, acts.v, acts.z, acts.W_O, block_size=block_size, modified=acts.modified)
 
     # ---- outputs and values in d_model (the metrics only need projected_values, for the Gram matrix)
     @cached_property
@@ -181,6 +207,19 @@ class LayerGeometry:
     def dot_layer(self) -> HeadScores:
         """``<o[i], vt[j,h]> = v[j,h] . (o[i] @ W_O[h].T)``, computed in ``d_head`` (full square)."""
         return einops.einsum(self.layer_u, self.v, "b q h d, b k h d -> b h q k")
+
+    @cached_property
+    def output_share(self) -> Float[Tensor, "batch head_index query_pos"]:
+        """``<o[i], o[i,h]> / ‖o[i]‖² = z[i,h] . (o[i] @ W_O[h].T) / ‖o[i]‖²``: head ``h``'s part of ``o[i]``."""
+        dots = einops.einsum(self.z, self.layer_u, "b q h d, b q h d -> b h q")
+        return dots * (_inv_or_nan(self.layer_out_norm) ** 2)[:, None, :]
+
+    @cached_property
+    def modified_share(self) -> Float[Tensor, "batch head_index query_pos"]:
+        """The share ``<o[i], o[i,h]> / ‖o[i]‖²`` of each *modified* head (0 for unmodified heads)."""
+        if self.modified is None:
+            return torch.zeros_like(self.pattern[..., 0])
+        return torch.where(self.modified, self.output_share, torch.zeros_like(self.pattern[..., 0]))
 
     @cached_property
     def gram(self) -> Float[Tensor, "batch key_pos head_index head_index2"]:
@@ -310,7 +349,11 @@ class LayerGeometry:
         vt_norm = (
             self.vt_norm[:, :, None, :] if (need_vw or "factor_norm_ratio" in want) else None
         )  # [b h 1 k]
+        mod = self.modified  # [b h q] or None
+        keep = None if mod is None else (~mod).to(alpha.dtype)[..., None]  # [b h q 1]
         inv_oh = _inv_or_nan(self.head_out_norm)[..., None] if need_oh else None  # [b h q 1]
+        if inv_oh is not None and mod is not None:  # no per-source terms for a modified head
+            inv_oh = inv_oh.masked_fill(mod[..., None], float("nan"))
         inv_ol = _inv_or_nan(self.layer_out_norm) if need_share or need_vwi else None  # [b q]
         v_t = einops.rearrange(self.v, "b k h d -> b h d k").contiguous()  # sliced per block, never copied
         if need_cos:
@@ -320,6 +363,8 @@ class LayerGeometry:
         if need_share:
             assert inv_ol is not None
             u_share = einops.rearrange(self.layer_u, "b q h d -> b h q d") * (inv_ol**2)[:, None, :, None]
+            if keep is not None:
+                u_share = u_share * keep  # a modified head's shares c[h→i,j] are exactly 0
         if need_vwi:
             gram = einops.rearrange(self.gram, "b k h g -> h g b k").contiguous()
         # alpha-weighted outputs are already 0 above the diagonal, except in NaN rows; factors never are
@@ -327,7 +372,8 @@ class LayerGeometry:
         others = [t for k, t in out.items() if k not in ("factor_norm_ratio", "factor_cos")]
         nan_h = inv_oh.isnan()[..., 0].any((0, 1)) if inv_oh is not None else torch.zeros(Q, dtype=torch.bool)
         nan_l = inv_ol.isnan().any(0) if inv_ol is not None else torch.zeros(Q, dtype=torch.bool)
-        nan_rows = (nan_h | nan_l).tolist()
+        nan_m = mod.any((0, 1)) if mod is not None else torch.zeros(Q, dtype=torch.bool)
+        nan_rows = (nan_h.cpu() | nan_l.cpu() | nan_m.cpu()).tolist()
 
         for q0 in range(0, Q, self.block_size):
             q1 = min(q0 + self.block_size, Q)
@@ -339,6 +385,8 @@ class LayerGeometry:
             if need_vw:
                 assert vt_norm is not None
                 vw = _value_weighted(a, vt_norm[..., :q1], out=dst("value_weighted"))
+                if mod is not None:
+                    vw.masked_fill_(mod[:, :, q0:q1, None], float("nan"))
             if need_vwn:
                 assert inv_oh is not None
                 vwn = _value_weighted_normalized(
@@ -358,7 +406,8 @@ class LayerGeometry:
             if "attention_inter" in want:
                 _attention_inter(a, out=dst("attention_inter"))
             if need_vwi:
-                vwi = _value_weighted_inter(a, gram[..., :q1], out=dst("value_weighted_inter"))
+                a_kept = a if keep is None else a * keep[:, :, q0:q1]  # unmodified heads only
+                vwi = _value_weighted_inter(a_kept, gram[..., :q1], out=dst("value_weighted_inter"))
             if "value_weighted_normalized_inter" in want:
                 assert inv_ol is not None
                 _value_weighted_normalized_inter(
@@ -495,16 +544,39 @@ class ContributionResult:
     ``[batch, layer, query_pos, key_pos]``; ``layers[k]`` is the model layer at index ``k`` of the
     layer axis. Entries above the diagonal (``key > query``, not sources) are 0 in every metric, factors
     included; a row whose output norm is 0 is NaN at its sources ``key <= query`` (see the module docstring).
+
+    ``modified[b, l, h, i]`` marks the heads whose ``z`` an earlier hook changed, and ``modified_share`` is
+    their part ``<o[i], o[i,h]> / ‖o[i]‖²`` of the layer output (0 elsewhere); see "After an intervention"
+    in the module docstring. ``tokens`` is ``None`` when the result was built from a cache without them.
     """
 
     layers: list[int]
-    tokens: Tokens
+    tokens: Tokens | None
     intra: dict[str, Float[Tensor, "batch layer head_index query_pos key_pos"]]
     inter: dict[str, Float[Tensor, "batch layer query_pos key_pos"]]
     str_tokens: list[list[str]] | None = None
     basis: str = "as loaded, b_O excluded"
     model_name: str = ""
     extras: dict[str, Any] = field(default_factory=dict)
+    modified: Bool[Tensor, "batch layer head_index query_pos"] | None = None
+    modified_share: Float[Tensor, "batch layer head_index query_pos"] | None = None
+
+    @property
+    def modified_heads(self) -> list[tuple[int, int]]:
+        """``(layer, head)`` pairs whose ``z`` was changed by an earlier hook at some query of some text."""
+        if self.modified is None:
+            return []
+        hit = self.modified.any(dim=3).any(dim=0)  # [layer head]
+        return [(self.layers[int(li)], int(h)) for li, h in hit.nonzero().tolist()]
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        """``(batch, n_heads, pos)`` of the analysed texts."""
+        t = next(iter(self.intra.values())) if self.intra else None
+        if t is None:
+            t4 = next(iter(self.inter.values()))
+            return int(t4.shape[0]), 0, int(t4.shape[-1])
+        return int(t.shape[0]), int(t.shape[2]), int(t.shape[-1])
 
     def layer_index(self, layer: int) -> int:
         try:
@@ -516,25 +588,33 @@ class ContributionResult:
         self,
         *,
         batch: int | None = 0,
-        layers: Sequence[int] | None = None,
-        heads: Sequence[int] | None = None,
+        layers: int | Sequence[int] | None = None,
+        heads: int | Sequence[int] | None = None,
         query: int | None = None,
     ) -> pd.DataFrame:
         """A tidy table: one row per (batch, layer, head, query, key) with ``key <= query``.
 
-        Columns: ``batch, layer, head, query, key, query_token, key_token``, every intra-head metric
-        and factor kept (``factor_attention`` is ``attention``), then the inter-head metrics of the
-        same ``(layer, query, key)`` prefixed ``layer_``. Filters keep the table small.
+        Columns: ``batch, layer, head, query, key``, then ``query_token, key_token`` when the result has
+        tokens (a result built from a cache without tokens has none), every intra-head metric and
+        factor kept (``factor_attention`` is ``attention``), ``modified`` and ``modified_share`` of the
+        head at that query, then the inter-head metrics of the same ``(layer, query, key)`` prefixed
+        ``layer_``. Filters keep the table small; each is checked, and an index out of range raises
+        ``IndexError`` naming the valid range (a layer that was not analysed names the analysed ones).
         """
-        b_sel = range(self.tokens.shape[0]) if batch is None else [batch]
-        l_sel = self.layers if layers is None else list(layers)
-        n_heads = next(iter(self.intra.values())).shape[2] if self.intra else 0
-        h_sel = list(range(n_heads)) if heads is None else list(heads)
-        pos = self.tokens.shape[1]
-        q_sel = list(range(pos)) if query is None else [query]
+        n_batch, n_heads, pos = self.shape
+        b_sel = check_indices(batch, n_batch, "batch")
+        if layers is None:
+            l_sel = list(self.layers)
+        else:
+            l_sel = [layers] if isinstance(layers, int) else list(layers)
+            for layer in l_sel:
+                self.layer_index(layer)
+        h_sel = check_indices(heads, n_heads, "head")
+        q_sel = check_indices(query, pos, "query")
         qq, kk = torch.tril_indices(pos, pos)
         keep = torch.isin(qq, torch.tensor(q_sel))
         qq, kk = qq[keep], kk[keep]
+        str_tokens = self.str_tokens if self.tokens is not None else None
         frames = []
         for b in b_sel:
             for layer in l_sel:
@@ -548,14 +628,17 @@ class ContributionResult:
                         "query": qq.numpy(),
                         "key": kk.numpy(),
                     }
-                    if self.str_tokens is not None:
-                        st = self.str_tokens[b]
+                    if str_tokens is not None:
+                        st = str_tokens[b]
                         cols["query_token"] = [st[i] for i in qq.tolist()]
                         cols["key_token"] = [st[j] for j in kk.tolist()]
                     for k, v in self.intra.items():
                         cols[k] = v[b, li, h, qq, kk].numpy()
                     if "attention" in self.intra:
                         cols["factor_attention"] = cols["attention"]
+                    if self.modified is not None and self.modified_share is not None:
+                        cols["modified"] = self.modified[b, li, h, qq].numpy()
+                        cols["modified_share"] = self.modified_share[b, li, h, qq].numpy()
                     cols.update(inter_cols)
                     frames.append(pd.DataFrame(cols))
         return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
@@ -591,7 +674,7 @@ class ContributionCollector:
         *,
         intra: Sequence[str] | None = None,
         inter: Sequence[str] | None = None,
-        on_layer: Callable[[int, dict[str, dict[str, Tensor]]], None] | None = None,
+        on_layer: Callable[[int, dict[str, Any]], None] | None = None,
         store_device: str | torch.device = "cpu",
         reuse_buffers: bool = False,
     ) -> None:
@@ -609,6 +692,7 @@ class ContributionCollector:
         self.reuse_buffers = reuse_buffers
         self._intra: dict[int, dict[str, Tensor]] = {}
         self._inter: dict[int, dict[str, Tensor]] = {}
+        self._modified: dict[int, tuple[Tensor, Tensor]] = {}  # layer -> (modified [b h q], share [b h q])
         self._buffers: tuple[dict[str, Tensor], dict[str, Tensor]] | None = None
         self._store: tuple[dict[str, Tensor], dict[str, Tensor]] | None = None
 
@@ -659,16 +743,29 @@ class ContributionCollector:
                 intra["attention"] = out_intra["attention"].copy_(intra["attention"])
             intra = {m: t.to(self.store_device) for m, t in intra.items()}
             inter = {m: t.to(self.store_device) for m, t in inter.items()}
+            if geo.modified is None:
+                modified = torch.zeros(acts.pattern.shape[:3], dtype=torch.bool, device=self.store_device)
+                share = torch.zeros(
+                    acts.pattern.shape[:3], dtype=acts.pattern.dtype, device=self.store_device
+                )
+            else:
+                modified = geo.modified.to(self.store_device)
+                share = geo.modified_share.to(self.store_device)
         if self.user_on_layer is not None:
-            self.user_on_layer(acts.layer, {"intra": intra, "inter": inter})
+            self.user_on_layer(
+                acts.layer, {"intra": intra, "inter": inter, "modified": modified, "modified_share": share}
+            )
         else:
             self._intra[acts.layer] = intra
             self._inter[acts.layer] = inter
+            self._modified[acts.layer] = (modified, share)
 
     def feed_cache(self, cache: Any) -> None:
         self.collector.feed_cache(cache)
 
-    def result(self, tokens: Tokens, str_tokens: list[list[str]] | None = None) -> ContributionResult:
+    def result(
+        self, tokens: Tokens | None = None, str_tokens: list[list[str]] | None = None
+    ) -> ContributionResult:
         missing = [layer for layer in self.layers if layer not in self._intra]
         if missing:
             raise RuntimeError(
@@ -690,11 +787,13 @@ class ContributionCollector:
             }
         return ContributionResult(
             layers=list(self.layers),
-            tokens=tokens.detach().cpu(),
+            tokens=None if tokens is None else tokens.detach().cpu(),
             intra=intra,
             inter=inter,
             str_tokens=str_tokens,
             model_name=str(getattr(self.model.cfg, "model_name", "")),
+            modified=torch.stack([self._modified[la][0] for la in self.layers], dim=1),
+            modified_share=torch.stack([self._modified[la][1] for la in self.layers], dim=1),
         )
 
 
@@ -735,16 +834,14 @@ def contribution_weights_from_cache(
     tokens: Tokens | None = None,
 ) -> ContributionResult:
     """The same result from an ``ActivationCache`` the user already has (needs ``hook_pattern``,
-    ``hook_v`` and ``hook_z`` of ``layers``)."""
+    ``hook_v`` and ``hook_z`` of ``layers``). Without ``tokens`` the result's ``tokens`` is ``None`` and its
+    table has no token columns. A cache taken under a ``hook_z`` patch is marked like a live pass."""
     col = ContributionCollector(model, layers, intra=intra, inter=inter)
     col.feed_cache(cache)
     if tokens is None:
-        first = cache[f"blocks.{col.layers[0]}.attn.hook_pattern"]
-        tokens = torch.zeros(first.shape[0], first.shape[-1], dtype=torch.long)
-        str_toks = None
-    else:
-        str_toks = _str_tokens(model, tokens)
-    return col.result(tokens, str_toks)
+        return col.result(None, None)
+    tokens = to_tokens(model, tokens)
+    return col.result(tokens, _str_tokens(model, tokens))
 
 
 def reconstruct_attn_out(model: Any, acts: LayerActivations) -> Float[Tensor, "batch pos d_model"]:

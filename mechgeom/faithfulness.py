@@ -771,7 +771,7 @@ def perplexity_curves(
         )
     if not isinstance(tokens, Tensor) and not isinstance(tokens, str) and len(tokens) == 0:
         raise ValueError("empty corpus: give at least one text")
-    toks = to_tokens(model, tokens).cpu()
+    toks = to_tokens(model, tokens, min_pos=2, what="perplexity (a token to predict)").cpu()
     if toks.shape[1] < 2:
         raise ValueError(f"texts need at least 2 tokens to predict one, got {toks.shape[1]}")
     path = _check_out(out)

@@ -16,6 +16,7 @@ them, so an analysis streams over layers and never holds more than one layer's a
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -24,17 +25,21 @@ import einops
 import torch
 from transformer_lens.hook_points import HookPoint
 
-from mechgeom.typing import WO, Float, HeadOut, Pattern, Tensor, Tokens, Values, Z
+from mechgeom.typing import WO, Bool, Float, HeadOut, Pattern, Tensor, Tokens, Values, Z
 
 __all__ = [
     "FwdHook",
     "LayerActivations",
     "LayerCollector",
+    "TokensOrText",
+    "check_index",
+    "check_indices",
     "expand_kv",
     "head_outputs",
     "hook_name",
     "layer_W_O",
     "layer_b_O",
+    "modified_mask",
     "resolve_heads",
     "resolve_layers",
     "run_hooks",
@@ -95,6 +100,34 @@ def resolve_heads(model: Any, heads: int | Sequence[int] | None) -> list[int]:
     return out
 
 
+def check_index(value: Any, size: int, what: str) -> int:
+    """One index into an axis of ``size``: ints, numpy integers and 0-d integer tensors; no negatives.
+
+    >>> check_index(8, 9, "head")
+    8
+    >>> check_index(-1, 9, "head")
+    Traceback (most recent call last):
+    ...
+    IndexError: head -1 out of range (0..8)
+    """
+    try:
+        index = operator.index(value)
+    except TypeError:
+        raise IndexError(f"{what} {value!r} is not an integer index") from None
+    if not 0 <= index < size:
+        raise IndexError(f"{what} {value!r} out of range (0..{size - 1})")
+    return index
+
+
+def check_indices(values: Any, size: int, what: str) -> list[int]:
+    """A filter of indices (``None`` = all, an int, or a sequence), each checked by :func:`check_index`."""
+    if values is None:
+        return list(range(size))
+    if isinstance(values, int | Tensor) or hasattr(values, "__index__"):
+        return [check_index(values, size, what)]
+    return [check_index(x, size, what) for x in values]
+
+
 def check_decoder(model: Any) -> None:
     """Raise ``TypeError`` for an encoder (BERT-style) model: the analyses need causal attention."""
     cfg = model.cfg
@@ -105,31 +138,91 @@ def check_decoder(model: Any) -> None:
         )
 
 
-def to_tokens(model: Any, tokens_or_text: str | Sequence[str] | Tensor) -> Tokens:
-    """Token ids ``[batch, pos]`` from text (the model's own tokenizer and BOS default) or a tensor.
+#: What every entry point accepts as input: text, texts, one sequence of token ids, or ``[pos]`` /
+#: ``[batch, pos]`` integer tensors.
+TokensOrText = str | Sequence[str] | Sequence[int] | Tensor
 
-    Raises ``ValueError`` for empty text or an empty tensor, and for sequences longer than ``n_ctx``.
+
+def to_tokens(
+    model: Any, tokens_or_text: TokensOrText, *, min_pos: int = 1, what: str = "this analysis"
+) -> Tokens:
+    """The one token validator: ids ``[batch, pos]`` from text (the model's tokenizer and BOS rule) or ids.
+
+    Accepts a string, a list of strings, a list of ints (one sequence), or a 1-D or 2-D integer tensor.
+    Raises ``TypeError`` for other types and for float or bool tensors (naming the dtype), and
+    ``ValueError`` for empty input, blank text, an id outside ``0..d_vocab-1`` (naming the id), more
+    than ``n_ctx`` positions, or fewer than ``min_pos`` (what ``what`` needs).
+
+    >>> from types import SimpleNamespace
+    >>> m = SimpleNamespace(cfg=SimpleNamespace(d_vocab=10, n_ctx=4, device="cpu"))
+    >>> to_tokens(m, [1, 2, 3]).tolist()
+    [[1, 2, 3]]
+    >>> to_tokens(m, torch.tensor([1, 12]))
+    Traceback (most recent call last):
+    ...
+    ValueError: token id 12 is out of range: the model's vocabulary has 10 ids (0..9)
     """
     check_decoder(model)
-    if isinstance(tokens_or_text, str) or (
-        isinstance(tokens_or_text, Sequence) and not isinstance(tokens_or_text, Tensor)
-    ):
-        texts = [tokens_or_text] if isinstance(tokens_or_text, str) else list(tokens_or_text)
-        if not texts or any(not isinstance(t, str) or not t.strip() for t in texts):
+    cfg = model.cfg
+    x = tokens_or_text
+    texts: list[str] | None = None
+    if isinstance(x, str):
+        texts = [x]
+    elif isinstance(x, Tensor):
+        tokens = x
+    elif isinstance(x, Sequence) and not isinstance(x, bytes | bytearray):
+        items = list(x)
+        if not items:
+            raise ValueError("empty input: give a string, a list of strings, a list of token ids or a tensor")
+        if all(isinstance(t, str) for t in items):
+            texts = [str(t) for t in items]
+        elif all(hasattr(t, "__index__") and not isinstance(t, bool | Tensor) for t in items):
+            ids = [operator.index(t) for t in items]  # type: ignore[arg-type]
+            bad = [t for t in ids if not 0 <= t < int(cfg.d_vocab)]
+            if bad:
+                raise ValueError(_id_error(bad[0], int(cfg.d_vocab)))
+            tokens = torch.tensor([ids], dtype=torch.long)
+        else:
+            kinds = sorted({type(t).__name__ for t in items})
+            raise TypeError(
+                f"a list input must hold only strings (texts) or only ints (one sequence of token ids), got {kinds}"
+            )
+    else:
+        raise TypeError(
+            "tokens_or_text must be a string, a list of strings, a list of ints or an integer tensor, "
+            f"got {type(x).__name__}"
+        )
+    if texts is not None:
+        if any(not t.strip() for t in texts):
             raise ValueError("empty text: give at least one non-blank string")
         tokens = model.to_tokens(texts if len(texts) > 1 else texts[0], truncate=False)
-    else:
-        tokens = tokens_or_text
-        if tokens.ndim == 1:
-            tokens = tokens[None]
-        if tokens.ndim != 2:
-            raise ValueError(f"tokens must be [batch, pos], got shape {tuple(tokens.shape)}")
+    if tokens.dtype == torch.bool or tokens.dtype.is_floating_point or tokens.dtype.is_complex:
+        raise TypeError(f"token ids must be an integer tensor, got dtype {tokens.dtype}")
+    if tokens.ndim == 1:
+        tokens = tokens[None]
+    if tokens.ndim != 2:
+        raise ValueError(f"tokens must be [batch, pos] or [pos], got shape {tuple(tokens.shape)}")
     if tokens.shape[0] == 0 or tokens.shape[1] == 0:
-        raise ValueError("empty input: no tokens")
-    n_ctx = int(model.cfg.n_ctx)
+        raise ValueError(f"empty input: no tokens (shape {tuple(tokens.shape)})")
+    d_vocab = int(cfg.d_vocab)
+    lo, hi = int(tokens.min()), int(tokens.max())
+    if lo < 0 or hi >= d_vocab:
+        raise ValueError(_id_error(lo if lo < 0 else hi, d_vocab))
+    n_ctx = int(cfg.n_ctx)
     if tokens.shape[1] > n_ctx:
         raise ValueError(f"sequence of {tokens.shape[1]} tokens is longer than the model's n_ctx={n_ctx}")
-    return tokens.to(model.cfg.device)
+    if tokens.shape[1] < min_pos:
+        raise ValueError(
+            f"{what} needs at least {min_pos} positions per text, got {tokens.shape[1]} "
+            f"(shape {tuple(tokens.shape)})"
+        )
+    return tokens.long().to(cfg.device)
+
+
+def _id_error(token_id: int, d_vocab: int) -> str:
+    if token_id < 0:
+        return f"token id {token_id} is negative: ids must lie in 0..{d_vocab - 1}"
+    return f"token id {token_id} is out of range: the model's vocabulary has {d_vocab} ids (0..{d_vocab - 1})"
 
 
 # --------------------------------------------------------------------------- shared maths
@@ -163,6 +256,34 @@ def layer_b_O(model: Any, layer: int) -> Float[Tensor, " d_model"]:
     return torch.zeros(W_O.shape[-1], dtype=W_O.dtype, device=W_O.device)
 
 
+#: Default relative tolerance of :func:`modified_mask` per dtype (others: 1e-2).
+MODIFIED_RTOL = {torch.float64: 1e-9, torch.float32: 1e-4}
+
+
+def modified_mask(
+    pattern: Pattern, v: Values, z: Z, *, rtol: float | None = None
+) -> Bool[Tensor, "batch head_index query_pos"]:
+    """Where an earlier hook changed ``z``: ``True`` at ``(b, h, i)`` when ``z[i,h] != sum_j alpha[h,i,j] v[j,h]``.
+
+    SPEC.md §A, "After an intervention": head ``h`` is *modified* at query ``i`` when
+    ``‖z[i,h] − sum_j alpha[h,i,j] v[j,h]‖ > rtol * (sum_j alpha[h,i,j] ‖v[j,h]‖ + ‖z[i,h]‖)``. The scale on the
+    right bounds the rounding error of the sum itself, so the test is independent of the units of ``v`` and
+    holds for near-zero outputs; ``rtol`` defaults to :data:`MODIFIED_RTOL` for the dtype (1e-4 in float32).
+    ``v`` is GQA-expanded. The cost is that of one attention product per layer.
+
+    >>> p = torch.tensor([[[[1.0, 0.0], [0.5, 0.5]]]])  # [b h q k]
+    >>> v = torch.tensor([[[[1.0]], [[3.0]]]])  # [b k h d]
+    >>> z = torch.tensor([[[[1.0]], [[2.0]]]])  # = alpha @ v: unmodified
+    >>> modified_mask(p, v, z).tolist(), modified_mask(p, v, torch.zeros_like(z)).tolist()
+    ([[[False, False]]], [[[True, True]]])
+    """
+    tol = MODIFIED_RTOL.get(z.dtype, 1e-2) if rtol is None else float(rtol)
+    mixed = einops.einsum(pattern, v.to(pattern.dtype), "b h q k, b k h d -> b h q d")
+    z_h = einops.rearrange(z, "b q h d -> b h q d").to(mixed.dtype)
+    scale = einops.einsum(pattern, v.norm(dim=-1).to(pattern.dtype), "b h q k, b k h -> b h q")
+    return (z_h - mixed).norm(dim=-1) > tol * (scale + z_h.norm(dim=-1))
+
+
 def head_outputs(z: Z, W_O: WO) -> HeadOut:
     """Per-head outputs ``o[i,h] = z[i,h] @ W_O[h]`` (bias excluded), ``[batch, pos, head, d_model]``."""
     return einops.einsum(z, W_O, "batch pos head d_head, head d_head d_model -> batch pos head d_model")
@@ -173,7 +294,11 @@ def head_outputs(z: Z, W_O: WO) -> HeadOut:
 
 @dataclass
 class LayerActivations:
-    """One layer's attention activations, as seen by the hooks (``v`` already GQA-expanded)."""
+    """One layer's attention activations, as seen by the hooks (``v`` already GQA-expanded).
+
+    ``modified[b, h, i]`` is ``True`` where ``z`` is not ``sum_j alpha v_j`` (an earlier hook changed it, see
+    :func:`modified_mask`); ``None`` means "not checked" (treated as unmodified).
+    """
 
     layer: int
     pattern: Pattern
@@ -181,6 +306,17 @@ class LayerActivations:
     z: Z
     W_O: WO
     b_O: Float[Tensor, " d_model"]
+    modified: Bool[Tensor, "batch head_index query_pos"] | None = None
+
+    @property
+    def any_modified(self) -> bool:
+        return self.modified is not None and bool(self.modified.any())
+
+    def modified_heads(self) -> list[int]:
+        """Heads modified at some query of some text."""
+        if self.modified is None:
+            return []
+        return [int(h) for h in self.modified.any(dim=2).any(dim=0).nonzero().flatten().tolist()]
 
 
 class LayerCollector:
@@ -191,6 +327,14 @@ class LayerCollector:
     hook. The hooks only read (they return ``None``), so they change nothing downstream. When a
     layer's three activations have arrived, ``on_layer(LayerActivations)`` runs and the activations
     are released.
+
+    **Interventions.** A hook that changes ``hook_pattern`` or ``hook_v`` before these readers is seen by
+    them, and ``z`` follows from what they read. A hook that changes ``hook_z`` (head removal, patching
+    from another run) makes ``z`` differ from ``sum_j alpha v_j``: the reader records it per
+    ``(batch, head, query)`` in :attr:`LayerActivations.modified` (see :func:`modified_mask`, tolerance
+    ``modified_rtol``), and every analysis marks those heads. Put interventions before the readers in the
+    hook list (``[*my_hooks, *collector.fwd_hooks]``); a hook on ``hook_z`` registered after the reader
+    is not seen.
     """
 
     def __init__(
@@ -200,11 +344,13 @@ class LayerCollector:
         on_layer: Callable[[LayerActivations], None] | None = None,
         *,
         detach: bool = True,
+        modified_rtol: float | None = None,
     ) -> None:
         self.model = model
         self.layers = resolve_layers(model, layers)
         self.on_layer = on_layer
         self.detach = detach
+        self.modified_rtol = modified_rtol
         self._pending: dict[int, dict[str, Tensor]] = {}
         self.captured: dict[int, LayerActivations] = {}
 
@@ -214,13 +360,17 @@ class LayerCollector:
         slot[kind] = tensor.detach() if self.detach else tensor
         if len(slot) == 3:
             del self._pending[layer]
+            v = expand_kv(slot["v"], int(self.model.cfg.n_heads))
+            with torch.no_grad():
+                modified = modified_mask(slot["pattern"], v, slot["z"], rtol=self.modified_rtol)
             acts = LayerActivations(
                 layer=layer,
                 pattern=slot["pattern"],
-                v=expand_kv(slot["v"], int(self.model.cfg.n_heads)),
+                v=v,
                 z=slot["z"],
                 W_O=layer_W_O(self.model, layer).detach(),
                 b_O=layer_b_O(self.model, layer).detach(),
+                modified=modified,
             )
             if self.on_layer is None:
                 self.captured[layer] = acts

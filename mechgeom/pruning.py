@@ -67,6 +67,7 @@ from mechgeom.hooks import (
     resolve_heads,
     resolve_layers,
     run_hooks,
+    to_tokens,
 )
 from mechgeom.typing import WO, Float, Pattern, Tensor, Tokens, Z
 
@@ -300,8 +301,11 @@ def head_stats(
     ``out_norm`` (mean ``‖z[b,i,h] @ W_O[h]‖``, :func:`head_output_norm`) and ``entropy`` (mean
     :func:`pattern_entropy` over query rows ``i >= start_pos``). The forward stops before the unembedding.
     """
-    if tokens.ndim != 2 or tokens.shape[0] == 0:
-        raise ValueError(f"need [n_texts, pos] tokens, got shape {tuple(tokens.shape)}")
+    if start_pos < 0:
+        raise ValueError(f"start_pos must be >= 0, got {start_pos}")
+    tokens = to_tokens(
+        model, tokens, min_pos=start_pos + 1, what=f"head statistics from start_pos={start_pos}"
+    )
     if not 0 <= start_pos < tokens.shape[1]:
         raise ValueError(f"start_pos={start_pos} leaves no position of {tokens.shape[1]}")
     acc = _StatsAccumulator(model, start_pos)
@@ -543,8 +547,7 @@ def single_head_sweep(
     :func:`mechgeom.evaluation.text_nll`. ``checkpoint`` (a ``.csv``/``.parquet`` path) records finished
     heads after every layer and resumes from them; it is tied to these tokens and this mode.
     """
-    if tokens.ndim != 2 or tokens.shape[0] == 0 or tokens.shape[1] < 2:
-        raise ValueError(f"need [n_texts >= 1, pos >= 2] tokens, got shape {tuple(tokens.shape)}")
+    tokens = to_tokens(model, tokens, min_pos=2, what="the single-head sweep (a token to predict)")
     n_layers, n_heads, n_texts = int(model.cfg.n_layers), int(model.cfg.n_heads), tokens.shape[0]
     wanted = resolve_head_set(model, _all_heads(model) if heads is None else heads)
     hook_sets = {
@@ -754,6 +757,10 @@ def retention_curve(
     against the clean model with ``extra_hooks`` still attached.
     """
     order = _check_order(model, order)
+    corpora = {
+        c: to_tokens(model, t, min_pos=2, what=f"corpus {c!r} (a token to predict)")
+        for c, t in corpora.items()
+    }
     n_total = len(order)
     encoded = _encode_items(model, task[1], None) if task is not None else None
     if clean is None:

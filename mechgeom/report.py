@@ -359,7 +359,7 @@ def contributions_html(
 
     parts = [
         f"<h1>Contribution weights: {_esc(result.model_name or 'model')}</h1>",
-        f"<p>{result.tokens.shape[1]} tokens, text {batch}; basis: {_esc(result.basis)}.</p>",
+        f"<p>{result.shape[2]} tokens, text {batch}; basis: {_esc(result.basis)}.</p>",
     ]
     for layer in result.layers:
         view = (

@@ -56,13 +56,14 @@ from mechgeom.hooks import (
     FwdHook,
     LayerActivations,
     LayerCollector,
+    check_indices,
     hook_name,
     resolve_heads,
     resolve_layers,
     run_hooks,
     to_tokens,
 )
-from mechgeom.typing import Float, Pattern, Tensor, Tokens
+from mechgeom.typing import Bool, Float, Pattern, Tensor, Tokens
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -364,6 +365,10 @@ class SinkResult:
     Per query (float64, NaN outside ``Q``): ``sink_mass`` (the measured sink rate ``s_i``),
     ``sq_sink = ‖vt_S‖²``, ``cross = <vt_S, m>``, ``sq_mean = ‖m‖²``, each ``[n, layer, head, q]``.
     ``factor_sums [layer, head, group, 9]``: see :func:`factor_moments`.
+    ``modified [n, layer, head, q]`` marks the heads whose ``z`` an earlier hook changed
+    (:func:`mechgeom.hooks.modified_mask`): the statistics above still describe ``alpha`` and ``v``, but
+    those no longer make the head's output, and the factor moments leave such queries out (their
+    ``c``, ratio and cosine are NaN, see :mod:`mechgeom.contribution`).
     """
 
     layers: list[int]
@@ -383,6 +388,15 @@ class SinkResult:
     model_name: str = ""
     basis: str = "as loaded, b_O excluded"
     extras: dict[str, Any] = field(default_factory=dict)
+    modified: Bool[Tensor, "n layer head q"] | None = None
+
+    @property
+    def modified_heads(self) -> list[tuple[int, int]]:
+        """``(layer, head)`` pairs whose ``z`` an earlier hook changed at some query of some text."""
+        if self.modified is None:
+            return []
+        hit = self.modified.any(dim=3).any(dim=0)
+        return [(self.layers[int(li)], int(h)) for li, h in hit.nonzero().tolist()]
 
     @property
     def n_heads(self) -> int:
@@ -458,6 +472,11 @@ class SinkResult:
             return flat.nanmedian(dim=-1).values if flat.shape[-1] else torch.full(flat.shape[:2], torch.nan)
 
         med_s, med_gap, med_ex = nanmedian(st), nanmedian(gap), nanmedian(excess)
+        head_mod = (
+            torch.zeros(self.sink_rate.shape[1:], dtype=torch.bool)
+            if self.modified is None
+            else self.modified.any(dim=3).any(dim=0)
+        )
         mean = partial(torch.nanmean, dim=0)
         rate, cos_mean = mean(self.sink_rate), mean(self.cos_sink_mean)
         rate_pos, ratio_v, ratio_vt, cos_tok = (
@@ -476,6 +495,7 @@ class SinkResult:
                     "sink_rate_minus_s_star": float(med_gap[li, h]),
                     "interior_share": float(interior[li, h]),
                     "norm_excess_median": float(med_ex[li, h]),
+                    "modified": bool(head_mod[li, h]),
                 }
                 for g, gname in enumerate(GROUPS):
                     for f, fname in enumerate(FACTORS):
@@ -502,9 +522,12 @@ class SinkResult:
         self, layers: Sequence[int] | None = None, heads: Sequence[int] | None = None
     ) -> pd.DataFrame:
         """One row per (text, layer, head, query in ``Q``): ``sink_mass`` (measured ``s_i``), ``s_star``,
-        ``head_out_norm``, ``sq_sink``, ``cross``, ``sq_mean``."""
-        l_sel = self.layers if layers is None else list(layers)
-        h_sel = list(range(self.n_heads)) if heads is None else list(heads)
+        ``head_out_norm``, ``sq_sink``, ``cross``, ``sq_mean``, ``modified``. Filters are checked: a layer
+        that was not analysed or a head out of range raises ``IndexError`` naming the valid ones."""
+        l_sel = self.layers if layers is None else ([layers] if isinstance(layers, int) else list(layers))
+        for layer in l_sel:
+            self.layer_index(layer)
+        h_sel = check_indices(heads, self.n_heads, "head")
         st, norm = self.s_star(), self.head_out_norm()
         q = self.sink_mass.shape[-1]
         queries = np.arange(max(self.sink_positions) + 1, q)
@@ -527,6 +550,11 @@ class SinkResult:
                                 "sq_sink": self.sq_sink[sl].numpy(),
                                 "cross": self.cross[sl].numpy(),
                                 "sq_mean": self.sq_mean[sl].numpy(),
+                                "modified": (
+                                    np.zeros(len(queries), dtype=bool)
+                                    if self.modified is None
+                                    else self.modified[sl].numpy()
+                                ),
                             }
                         )
                     )
@@ -592,6 +620,9 @@ class SinkCollector:
             "sq_sink": nan_out(sq_sink),
             "cross": nan_out(cross),
             "sq_mean": nan_out(sq_mean),
+            "modified": (
+                torch.zeros(geo.pattern.shape[:3], dtype=torch.bool) if geo.modified is None else geo.modified
+            ),
         }
         return {k: v.detach().cpu() for k, v in out.items()}
 

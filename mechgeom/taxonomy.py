@@ -31,7 +31,7 @@ import torch
 
 from mechgeom._progress import progress
 from mechgeom.hooks import FwdHook, LayerActivations, LayerCollector, head_outputs, run_hooks, to_tokens
-from mechgeom.typing import WO, Float, Int, Pattern, Tensor, Values, Z
+from mechgeom.typing import WO, Bool, Float, Int, Pattern, Tensor, Values, Z
 
 __all__ = [
     "LABELS",
@@ -66,6 +66,7 @@ _SUMS = (
     "cos_sink_n",
     "cos_cur_sum",
     "cos_cur_n",
+    "n_modified",
 )
 
 
@@ -132,12 +133,18 @@ def layer_taxonomy(
     W_O: WO | None = None,
     *,
     sink_positions: Sequence[int] = (0,),
+    modified: Bool[Tensor, "batch head_index query_pos"] | None = None,
 ) -> dict[str, Tensor]:
     """Per-head sums for one layer: winner counts, sink mass and (with ``z``, ``W_O``) alignments.
 
     Returns ``{name: [head_index]}`` for ``n_queries, n_cur, n_sink, sink_mass, cos_sink_sum, cos_sink_n,
-    cos_cur_sum, cos_cur_n`` plus ``winners`` ``[batch, head, query_pos]`` (``-1`` for the queries that
-    are not classified). Sums (not means), so several batches add up.
+    cos_cur_sum, cos_cur_n, n_modified`` plus ``winners`` ``[batch, head, query_pos]`` (``-1`` for the
+    queries that are not classified). Sums (not means), so several batches add up.
+
+    ``modified`` marks the ``(batch, head, query)`` whose ``z`` an earlier hook changed
+    (:func:`mechgeom.hooks.modified_mask`): winners still come from ``alpha`` and ``v`` (what the model
+    computed), ``n_modified`` counts those queries, and their output alignments (which would mix the
+    changed ``z`` with the unchanged values) are left out of the ``cos_*`` sums.
     """
     winners = source_winners(pattern, v)
     b, h, _, k = pattern.shape
@@ -166,13 +173,16 @@ def layer_taxonomy(
         )
         cur_vt = vt[:, first:]
         cos_cur = (o * cur_vt).sum(-1) / (o_norm * cur_vt.norm(dim=-1))
+        kept = None if modified is None else ~einops.rearrange(modified[:, :, first:], "b h q -> b q h")
         for name, c in (("cos_sink", cos_sink), ("cos_cur", cos_cur)):
-            ok = torch.isfinite(c)
+            ok = torch.isfinite(c) if kept is None else torch.isfinite(c) & kept
             sums[f"{name}_sum"] = torch.where(ok, c, 0.0).sum(dim=(0, 1))
             sums[f"{name}_n"] = ok.sum(dim=(0, 1)).double()
     else:
         for name in ("cos_sink_sum", "cos_sink_n", "cos_cur_sum", "cos_cur_n"):
             sums[name] = torch.zeros(h, dtype=torch.float64)
+    n_mod = torch.zeros(h, dtype=torch.float64) if modified is None else modified[:, :, first:].sum((0, 2))
+    sums["n_modified"] = n_mod.double()
     out = {key: t.cpu() for key, t in sums.items()}
     out["winners"] = torch.cat(
         [torch.full((b, h, first), -1, dtype=winners.dtype, device=w.device), w], -1
@@ -207,9 +217,18 @@ class TaxonomyResult:
             "sink_rate": self.sums["sink_mass"] / n,
         }
 
+    @property
+    def modified_heads(self) -> list[tuple[int, int]]:
+        """``(layer, head)`` pairs whose ``z`` an earlier hook changed at some analysed query."""
+        n_mod = self.sums.get("n_modified")
+        if n_mod is None:
+            return []
+        return [(self.layers[int(li)], int(h)) for li, h in (n_mod > 0).nonzero().tolist()]
+
     def to_frame(self) -> pd.DataFrame:
         """One row per head: ``layer, head, label, f_cur, f_sink, f_other, sink_rate, cos_out_sink,
-        cos_out_cur, n_queries`` (the first seven are stable)."""
+        cos_out_cur, n_queries, modified`` (the first seven are stable; ``modified`` is ``True`` for a head
+        whose ``z`` an earlier hook changed, see :func:`layer_taxonomy`)."""
         fr = self.fractions()
         n_l, n_h = fr["f_cur"].shape
         ll, hh = torch.meshgrid(torch.arange(n_l), torch.arange(n_h), indexing="ij")
@@ -229,6 +248,8 @@ class TaxonomyResult:
             df["cos_out_sink"] = (self.sums["cos_sink_sum"] / self.sums["cos_sink_n"]).flatten().numpy()
             df["cos_out_cur"] = (self.sums["cos_cur_sum"] / self.sums["cos_cur_n"]).flatten().numpy()
         df["n_queries"] = self.sums["n_queries"].flatten().numpy().astype(np.int64)
+        n_mod = self.sums.get("n_modified")
+        df["modified"] = False if n_mod is None else (n_mod > 0).flatten().numpy()
         if self.corpus:
             df["corpus"] = self.corpus
         return df
@@ -263,7 +284,14 @@ class TaxonomyCollector:
 
     def _on_layer(self, acts: LayerActivations) -> None:
         with torch.no_grad():
-            res = layer_taxonomy(acts.pattern, acts.v, acts.z, acts.W_O, sink_positions=self.sink_positions)
+            res = layer_taxonomy(
+                acts.pattern,
+                acts.v,
+                acts.z,
+                acts.W_O,
+                sink_positions=self.sink_positions,
+                modified=acts.modified,
+            )
         winners = res.pop("winners")
         if self.keep_winners:
             self._winners[acts.layer].append(winners)
@@ -310,8 +338,13 @@ def classify_heads(
 
     ``extra_hooks`` run in the same passes, before mechgeom's readers (e.g. a pattern intervention).
     """
-    tokens = to_tokens(model, tokens_or_text)
-    _check_sinks(sink_positions, tokens.shape[1])
+    tokens = to_tokens(model, tokens_or_text, min_pos=2, what="the taxonomy (a query after the sink)")
+    sinks = _check_sinks(sink_positions, tokens.shape[1])
+    if max(sinks) + 1 >= tokens.shape[1]:
+        raise ValueError(
+            f"the taxonomy needs a query after the sink position(s) {list(sinks)}: "
+            f"sequences of {tokens.shape[1]} positions have none"
+        )
     if batch_size < 1:
         raise ValueError(f"batch_size must be positive, got {batch_size}")
     col = TaxonomyCollector(model, layers, sink_positions=sink_positions, keep_winners=keep_winners)

@@ -21,7 +21,6 @@ causal attention.
 from __future__ import annotations
 
 import html
-import operator
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -32,6 +31,7 @@ import torch
 
 from mechgeom._io import atomic_write
 from mechgeom.contribution import ContributionResult
+from mechgeom.hooks import check_index
 from mechgeom.typing import Float, Tensor
 
 __all__ = [
@@ -85,16 +85,6 @@ def _panel_html(caption: str, part: _Rendered) -> str:
 # --------------------------------------------------------------------------- argument checks
 
 
-def _check_index(value: int, size: int, what: str) -> int:
-    try:
-        index = operator.index(value)  # ints, numpy integers, 0-d integer tensors
-    except TypeError:
-        raise IndexError(f"{what} {value!r} is not an integer index") from None
-    if not 0 <= index < size:
-        raise IndexError(f"{what} {value!r} out of range (0..{size - 1})")
-    return index
-
-
 def _intra(
     result: ContributionResult, metric: str
 ) -> Float[Tensor, "batch layer head_index query_pos key_pos"]:
@@ -112,8 +102,10 @@ def _inter(result: ContributionResult, metric: str) -> Float[Tensor, "batch laye
 def _tokens(result: ContributionResult, batch: int) -> list[str]:
     if result.str_tokens is not None:
         toks = list(result.str_tokens[batch])
-    else:
+    elif result.tokens is not None:
         toks = [f"<{int(t)}>" for t in result.tokens[batch]]
+    else:  # built from a cache without tokens: positions only
+        toks = [f"[{i}]" for i in range(result.shape[2])]
     # a token must not close circuitsvis' inline <script> element
     return [t.replace("</", "<\u200b/") for t in toks]
 
@@ -170,8 +162,8 @@ def head_view(
     """
     li = result.layer_index(layer)
     n_batch, _, n_heads = _intra(result, metrics[0]).shape[:3]
-    batch = _check_index(batch, n_batch, "batch")
-    head = _check_index(head, n_heads, "head")
+    batch = check_index(batch, n_batch, "batch")
+    head = check_index(head, n_heads, "head")
     panels, n_nan = [], 0
     for m in metrics:
         t, n = _display(_intra(result, m)[batch, li, head])
@@ -195,7 +187,7 @@ def layer_view(
     panel (mean attention, layer contribution weights), where the result holds it."""
     li = result.layer_index(layer)
     n_batch, _, n_heads = _intra(result, metrics[0]).shape[:3]
-    batch = _check_index(batch, n_batch, "batch")
+    batch = check_index(batch, n_batch, "batch")
     panels, names, n_nan = [], [], 0
     for m in metrics:
         for h in range(n_heads):
@@ -227,15 +219,15 @@ def token_view(
     from circuitsvis.tokens import colored_tokens
 
     li = result.layer_index(layer)
-    n_batch, n_pos = result.tokens.shape
-    batch = _check_index(batch, n_batch, "batch")
-    query = _check_index(query, n_pos, "query")
+    n_batch, _, n_pos = result.shape
+    batch = check_index(batch, n_batch, "batch")
+    query = check_index(query, n_pos, "query")
     if head is None:
         row = _inter(result, metric)[batch, li, query, : query + 1]
         where = f"layer {layer} (all heads)"
     else:
         full = _intra(result, metric)
-        head = _check_index(head, full.shape[2], "head")
+        head = check_index(head, full.shape[2], "head")
         row = full[batch, li, head, query, : query + 1]
         where = f"layer {layer}, head {head}"
     values, n_nan = _display(row)
