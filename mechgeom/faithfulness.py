@@ -54,7 +54,7 @@ from mechgeom._io import atomic_write, read_frame, write_frame
 from mechgeom._progress import progress
 from mechgeom.contribution import INTER_METRICS, INTRA_METRICS, RANKING_METRICS, ContributionCollector
 from mechgeom.evaluation import bootstrap_ci
-from mechgeom.hooks import FwdHook, check_decoder, hook_name, resolve_layers, to_tokens
+from mechgeom.hooks import FwdHook, check_decoder, check_index, hook_name, resolve_layers, to_tokens
 from mechgeom.typing import Bool, Float, Int, Pattern, SourceRanks, Tensor, Tokens
 
 __all__ = [
@@ -320,10 +320,16 @@ class SourceRanking:
         )
 
     def to_frame(self, *, batch: int = 0, layer: int | None = None) -> pd.DataFrame:
-        """Tidy table: ``layer, head, query, key, rank`` for ``key <= query`` (head -1 = whole layer)."""
+        """Tidy table: ``layer, head, query, key, rank`` for ``key <= query`` (head -1 = whole layer).
+
+        ``batch`` and ``layer`` are checked: out of range raises ``IndexError`` naming the valid range."""
         frames = []
-        for la in self.layers if layer is None else [layer]:
-            r = self.ranks[la][batch]  # [rank_head, q, k]
+        sel = self.layers if layer is None else [layer]
+        for la in sel:
+            if la not in self.ranks:
+                raise IndexError(f"layer {la} was not ranked; ranked layers are {self.layers}")
+        for la in sel:
+            r = self.ranks[la][check_index(batch, self.ranks[la].shape[0], "batch")]  # [rank_head, q, k]
             qq, kk = torch.tril_indices(r.shape[-2], r.shape[-1])
             for h in range(r.shape[0]):
                 frames.append(

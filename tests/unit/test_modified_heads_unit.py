@@ -123,7 +123,13 @@ def test_metrics_after_hook_z_intervention_match_brute_force(kind: int, n_kv: in
     # raw attention is still what the model computed; every other per-source metric of the head is NaN
     assert torch.equal(res.intra["attention"][:, 0], ref["pattern"].float())
     tril = torch.ones(9, 9, dtype=torch.bool).tril()
-    for name in ("value_weighted", "value_weighted_normalized", "contribution", "factor_norm_ratio", "factor_cos"):
+    for name in (
+        "value_weighted",
+        "value_weighted_normalized",
+        "contribution",
+        "factor_norm_ratio",
+        "factor_cos",
+    ):
         row = res.intra[name][:, 0, HEAD]
         assert row[:, tril].isnan().all(), name
         assert (row[:, ~tril] == 0).all(), name
@@ -189,3 +195,34 @@ def test_modified_mask_against_loops_and_tolerance() -> None:
     with torch.no_grad():
         model.run_with_hooks(random_tokens(2, 10), fwd_hooks=col.fwd_hooks)
     assert all(not acts.any_modified for acts in col.captured.values())
+
+
+def test_sinks_selection_and_taxonomy_mark_the_modified_head() -> None:
+    from mechgeom.selection import token_selection
+    from mechgeom.sinks import sink_statistics
+    from mechgeom.taxonomy import classify_heads
+
+    model = make_tiny(n_kv=2, seed=23)
+    tokens = random_tokens(2, 10, seed=24)
+    hooks = [(f"blocks.{LAYER}.attn.hook_z", _zero_head)]
+    clean_sinks = sink_statistics(model, tokens)
+    sinks = sink_statistics(model, tokens, extra_hooks=hooks)
+    sel = token_selection(model, tokens, ns=[1, 2], n_random=0, extra_hooks=hooks)
+    tax = classify_heads(model, tokens, extra_hooks=hooks)
+    for res in (sinks, sel, tax):
+        assert res.modified_heads == [(LAYER, HEAD)], type(res).__name__
+        frame = res.to_frame()
+        flagged = frame.loc[frame["modified"], ["layer", "head"]].drop_duplicates()
+        assert flagged.values.tolist() == [[LAYER, HEAD]], type(res).__name__
+    assert not clean_sinks.modified.any()
+    assert (
+        sinks.modified[:, 1, HEAD].all() and sinks.query_frame(layers=[LAYER], heads=[HEAD])["modified"].all()
+    )
+    assert not sinks.query_frame(layers=[0])["modified"].any()
+    # pattern and value statistics are what the model computed: the same as without the hook in that layer
+    torch.testing.assert_close(sinks.sink_rate, clean_sinks.sink_rate)
+    # the taxonomy leaves the modified head's output alignments out and counts its queries
+    li = tax.layers.index(LAYER)
+    assert tax.sums["n_modified"][li, HEAD] == 2 * 9
+    assert tax.sums["cos_sink_n"][li, HEAD] == 0 and tax.sums["cos_cur_n"][li, HEAD] == 0
+    assert (tax.sums["n_modified"].sum() == 2 * 9) and (tax.sums["cos_sink_n"][li, HEAD - 1] > 0)
