@@ -202,3 +202,28 @@ def test_bridge_backend_matches_hooked(smollm2_bridge, result, cache, tokens) ->
     torch.testing.assert_close(
         col.result(tokens).intra["contribution"][:, 0], result.intra["contribution"][:, 6]
     )
+
+
+@pytest.mark.parametrize("backend", ["hooked", "bridge"])
+def test_head_removal_keeps_the_layer_identities_on_both_backends(smollm2, smollm2_bridge, backend) -> None:
+    """The issue's reproducer: a head removed at hook_z before the readers (SPEC §A, after an intervention)."""
+    model = smollm2 if backend == "hooked" else smollm2_bridge
+    name = "blocks.2.attn.hook_z"
+
+    def zero_head_4(z, hook):  # z: [batch pos head d_head]; a plain hook, not mechgeom's factory
+        z = z.clone()
+        z[:, :, 4] = 0.0
+        return z
+
+    clean = contribution_weights(model, TEXT, layers=[2])
+    assert not clean.modified.any()  # no false positives on the real model
+    res = contribution_weights(model, TEXT, layers=[2], extra_hooks=[(name, zero_head_4)])
+    assert res.modified_heads == [(2, 4)]
+    sums = res.inter["contribution"][:, 0].sum(-1)
+    torch.testing.assert_close(sums, torch.ones_like(sums), atol=1e-4, rtol=0)
+    assert (res.intra["head_share"][:, 0, 4] == 0).all() and (res.modified_share == 0).all()
+    # the other heads of the layer read the same pattern and values as in the clean pass
+    keep = [h for h in range(model.cfg.n_heads) if h != 4]
+    torch.testing.assert_close(
+        res.intra["value_weighted"][:, 0, keep], clean.intra["value_weighted"][:, 0, keep]
+    )
