@@ -21,14 +21,19 @@ Choices fixed here (all keyword arguments):
   random permutation per draw, reused for every ``N``; seeded by ``seed`` and the layer).
 - **Cost**: everything is ``[batch, head, q, k]`` work plus ``[batch, head, q, d]`` vectors. Projected
   distances use the metric ``G_h = W_O[h] W_O[h]ᵀ`` (``d_head x d_head``), so no ``d_model`` tensor
-  with a ``q`` and a ``k`` axis is ever built. Precision: ``dtype`` (``float32`` by default, ``float64``
-  for exact tie studies).
+  with a ``q`` and a ``k`` axis is ever built. Precision: ``dtype`` (``float32`` by default in
+  :func:`layer_selection` and :func:`token_selection`, ``torch.float64`` for exact tie studies; the
+  lower-level functions default to float64).
+- **Ties in the certificate and the bound**: their comparisons carry a relative margin
+  (``rtol``, ``64 * eps`` of the dtype) that decides every near-tie against the bound, so neither
+  can exceed the exact ``F_N`` because of rounding (``docs/selection_bound.md``).
 
 The sink-aware lower bound of :func:`sink_aware_bound` is stated and proved in ``docs/selection_bound.md``.
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -104,6 +109,13 @@ def _check_pattern_v(pattern: Tensor, v: Tensor) -> None:
         raise ValueError(
             f"v {tuple(v.shape)} does not match pattern {tuple(pattern.shape)}: expected [{b}, {k}, {h}, d_head] "
             "(expand GQA values with mechgeom.hooks.expand_kv first)"
+        )
+
+
+def _check_dtype(dtype: torch.dtype) -> None:
+    if dtype not in (torch.float32, torch.float64):
+        raise ValueError(
+            f"dtype must be torch.float32 (the default) or torch.float64 (exact F_N near ties), got {dtype}"
         )
 
 
@@ -243,24 +255,48 @@ def precision_recall_curve(
     return torch.where(end, ds, nan), torch.where(end, tp / count, nan), torch.where(end, tp / n, nan)
 
 
+def _tie_rtol(rtol: float | None, dtype: torch.dtype) -> float:
+    """The relative tie margin: ``rtol``, or ``64 * eps`` of ``dtype`` (float32 ``7.6e-6``, float64 ``1.4e-14``)."""
+    if rtol is None:
+        return 64 * torch.finfo(dtype).eps
+    if not 0 <= rtol < 1:
+        raise ValueError(f"rtol must be in [0, 1), got {rtol}")
+    return float(rtol)
+
+
 def inversion_certificate(
     d: Float[Tensor, "*rows key_pos"],
     members: Bool[Tensor, "*rows key_pos"],
     valid: Bool[Tensor, "*rows key_pos"],
+    *,
+    rtol: float | None = None,
 ) -> tuple[Float[Tensor, "*rows"], Int[Tensor, "*rows"], Int[Tensor, "*rows"]]:
     """Inversion certificate ``F_N >= max(2N/(2N+m), 2q/(N+q))``; returns ``(certificate, m, q)``.
 
     SPEC.md §B: ``m = #{k ∉ I_N : d_k <= max_{j∈I_N} d_j}``, ``q = #{j ∈ I_N : d_j < min_{k∉I_N} d_k}``.
     (The radius ``max_{I_N} d`` catches all ``N`` members and ``m`` others; a radius just below
     ``min_{k∉I_N} d_k`` catches ``q`` members and nothing else.) Rows with ``N = 0`` are NaN.
+
+    Ties: both comparisons carry the margin ``t = rtol * max_j |d_j|`` (the row's distance scale;
+    ``rtol`` defaults to ``64 * eps`` of ``d``'s dtype): ``m`` counts ``d_k <= max d_j + t`` and ``q``
+    counts ``d_j < min d_k − t``, so a near-tie that rounding may have split is resolved against
+    the certificate (``m`` can only grow, ``q`` only shrink). The certificate is still attained by a
+    radius of the ball classifier, so it never exceeds :func:`extreme_f_score` of the same ``d``.
+
+    >>> d = torch.tensor([[0.0, 1.0, 1.0 + 1e-15, 3.0]], dtype=torch.float64)  # 1 vs 1 + 1e-15: a tie
+    >>> mem = torch.tensor([[True, True, False, False]])
+    >>> cert, m, q = inversion_certificate(d, mem, torch.ones_like(mem))
+    >>> (m.item(), q.item(), round(cert.item(), 4))
+    (1, 1, 0.8)
     """
     valid = valid.expand_as(d)
     inside = members.expand_as(d) & valid
     outside = valid & ~inside
     max_in = d.masked_fill(~inside, float("-inf")).amax(-1, keepdim=True)
     min_out = d.masked_fill(~outside, float("inf")).amin(-1, keepdim=True)
-    m = (outside & (d <= max_in)).sum(-1)
-    q = (inside & (d < min_out)).sum(-1)
+    tie = _tie_rtol(rtol, d.dtype) * d.abs().masked_fill(~valid, 0).amax(-1, keepdim=True)
+    m = (outside & (d <= max_in + tie)).sum(-1)
+    q = (inside & (d < min_out - tie)).sum(-1)
     return _certificate(inside.sum(-1), m, q, d.dtype), m, q
 
 
@@ -390,6 +426,7 @@ def bound_radii(
     params: BoundParams,
     *,
     dtype: torch.dtype = torch.float64,
+    rtol: float | None = None,
 ) -> tuple[HQK, HQK]:
     """``(U, L)``: ``U_j >= d_j`` for members ``j ∈ I_N``, ``L_k <= d_k`` for the other candidates.
 
@@ -399,7 +436,16 @@ def bound_radii(
     ``Q⁺(T) = sum_T a² n⁺² + sum_{l≠l'∈T} a_l a_l' P(l, l')``; ``S⁻ = max(0, max_{l∈I_N} a_l n⁻_l − U_l)``,
     ``S⁺ = sqrt(Q⁺(I_N))``, ``X_k = sum_{l∈I_N} a_l P(k, l)`` and
     ``L_k² = max(a_k² n⁻_k² − 2 a_k X_k + S⁻², (S⁻ − a_k n⁺_k)₊², (a_k n⁻_k − S⁺)₊², 0)``.
+
+    Rounding: each of these squares is a sum of terms of size up to ``A²`` (``A = sum_{I_N} a n⁺``,
+    ``A_j = A − a_j n⁺_j``), computed with a relative error of a few ``eps``; the ones that cancel
+    (``U_j²``, the first term of ``L_k²``) are resolved only to ``eps·A²``. So ``U_j²`` gets
+    ``+ rtol·A·(A_j + rtol·A)``, ``S^±`` and the terms of ``L_k²`` move by ``rtol`` times their
+    scale (``A``, ``a_k n⁺_k + A``), each in the safe direction (``rtol``: ``64 * eps`` of ``dtype``
+    by default). A tie that exact arithmetic would decide in the bound's favour is then decided
+    against it, and the computed ``U``, ``L`` bound the exact ``d``.
     """
+    tol = _tie_rtol(rtol, dtype)
     a = pattern.to(dtype)
     valid = valid.expand_as(a)
     inside = members & valid
@@ -425,16 +471,23 @@ def bound_radii(
         cross = (an * an - bn) * p_nn + 2 * as_ * an * p_sn + (as_ * as_ - bs) * p_ss
         return diag + cross
 
-    # U_j for j in I_N: Q+ of I_N without j
+    # rounding scales: A = sum_{I_N} a n+ bounds ‖s_N‖ and every term of a Q+; A_j = A − a_j n+_j
+    a_hi = a * n_hi
+    big_a = (a_hi * inside).sum(-1, keepdim=True)  # [b h q 1]
+    a_rest = (big_a - a_hi).clamp_min(0)
+    # U_j for j in I_N: Q+ of I_N without j (exactly 0 for N = 1, where A_j = 0)
     aj_s, aj_n = a * sk, a * ~sk
-    u = q_plus(an - aj_n, bn - aj_n**2, as_ - aj_s, bs - aj_s**2).clamp_min(0).sqrt()  # [b h q k]
-    s_minus = (a * n_lo - u).masked_fill(~inside, float("-inf")).amax(-1, keepdim=True).clamp_min(0)
-    s_plus = q_plus(an, bn, as_, bs).clamp_min(0).sqrt()
-    # X_k >= <v_k, s_N> for k not in I_N
+    u2 = q_plus(an - aj_n, bn - aj_n**2, as_ - aj_s, bs - aj_s**2).clamp_min(0)
+    u = (u2 + tol * big_a * (a_rest + tol * big_a)).sqrt()  # [b h q k]
+    best = (a * n_lo - u).masked_fill(~inside, float("-inf")).amax(-1, keepdim=True)
+    s_minus = (best - tol * big_a).clamp_min(0)
+    s_plus = (q_plus(an, bn, as_, bs).clamp_min(0) + tol * big_a * big_a * (1 + tol)).sqrt()
+    # X_k >= <v_k, s_N> for k not in I_N; every term of L_k² is at most scale² = (a_k n+_k + A)²
     x = torch.where(sk, an * p_sn + as_ * p_ss, an * p_nn + as_ * p_sn)
-    e1 = a * a * n_lo**2 - 2 * a * x + s_minus**2
-    e2 = (s_minus - a * n_hi).clamp_min(0) ** 2
-    e3 = (a * n_lo - s_plus).clamp_min(0) ** 2
+    scale = a_hi + big_a
+    e1 = a * a * n_lo**2 - 2 * a * x + s_minus**2 - tol * scale**2
+    e2 = (s_minus - a_hi - tol * scale).clamp_min(0) ** 2
+    e3 = (a * n_lo - s_plus - tol * scale).clamp_min(0) ** 2
     low = torch.maximum(torch.maximum(e1, e2), e3).clamp_min(0).sqrt()
     nan = float("nan")
     return u.masked_fill(~inside, nan), low.masked_fill(~outside, nan)
@@ -448,6 +501,7 @@ def sink_aware_bound(
     params: BoundParams,
     *,
     dtype: torch.dtype = torch.float64,
+    rtol: float | None = None,
 ) -> tuple[HQ, Int[Tensor, "batch head_index query_pos"], Int[Tensor, "batch head_index query_pos"]]:
     """Deterministic lower bound on ``F_N`` from ``alpha`` and the regime's parameters only.
 
@@ -455,13 +509,20 @@ def sink_aware_bound(
     ``(U, L)`` from :func:`bound_radii`: ``m⁺ = #{k ∉ I_N : L_k <= max_{I_N} U} >= m``,
     ``q⁻ = #{j ∈ I_N : U_j < min_{k∉I_N} L_k} <= q``, and ``F_N >= max(2N/(2N+m⁺), 2q⁻/(N+q⁻))``.
     Rows with ``N = 0`` are NaN.
+
+    Ties: ``U`` and ``L`` already absorb rounding (:func:`bound_radii`); both comparisons add the
+    relative margin ``t = rtol * max(max U, min L)``, i.e. ``L_k <= max U + t`` and
+    ``U_j < min L − t``, so an (exact or rounded) tie never raises the bound: it stays a lower
+    bound on the exact ``F_N`` in float32 as in float64. ``rtol`` defaults to ``64 * eps`` of ``dtype``.
     """
-    u, low = bound_radii(pattern, members, valid, sink_mask, params, dtype=dtype)
+    u, low = bound_radii(pattern, members, valid, sink_mask, params, dtype=dtype, rtol=rtol)
     inside, outside = ~torch.isnan(u), ~torch.isnan(low)
-    max_u = u.masked_fill(~inside, float("-inf")).amax(-1, keepdim=True)
+    max_u = u.masked_fill(~inside, 0.0).amax(-1, keepdim=True)  # U >= 0; rows with N = 0 are NaN
     min_l = low.masked_fill(~outside, float("inf")).amin(-1, keepdim=True)
-    m_plus = (outside & (low <= max_u)).sum(-1)
-    q_minus = (inside & (u < min_l)).sum(-1)
+    top = torch.maximum(max_u, torch.where(torch.isfinite(min_l), min_l, torch.zeros_like(min_l)))
+    tie = _tie_rtol(rtol, dtype) * top
+    m_plus = (outside & (low <= max_u + tie)).sum(-1)
+    q_minus = (inside & (u < min_l - tie)).sum(-1)
     return _certificate(inside.sum(-1), m_plus, q_minus, dtype), m_plus, q_minus
 
 
@@ -516,9 +577,13 @@ def layer_selection(
 
     ``query_stride`` analyses every ``query_stride``-th query, counted back from the last one (which
     is always included); the parameters of the bound are still fitted on every position. ``dtype``
-    is the precision of distances, scores and bounds (``float64`` for exact tie studies).
+    is the precision of distances, F-scores, certificates and bounds: ``float32`` by default,
+    ``torch.float64`` for (near-)exact ``F_N`` near ties (float32 resolves ``d_j²`` only to about
+    ``1e-7 ‖s_N‖²``, so exactly tied distances can split); the bound's parameters are always fitted
+    in float64, and the outputs are stored as float32 either way (rounding keeps ``bound <= F_N``).
     ``batch_chunk`` bounds memory (rows processed together).
     """
+    _check_dtype(dtype)
     _check_pattern_v(pattern, v)
     ns = _check_ns(ns)
     if n_random < 0:
@@ -598,11 +663,14 @@ class SelectionResult:
     ``params[name]`` is ``[layer, head_index]`` (:class:`BoundParams` fields); ``layers[k]`` is the
     model layer at index ``k``; ``ns[t]`` the ``N`` at index ``t`` of the last axis; ``queries[u]``
     the query position at index ``u`` of the query axis (every position unless ``query_stride > 1``).
+    ``modified[b, l, h, u]`` marks the heads whose ``z`` an earlier hook changed at query ``queries[u]``
+    (:func:`mechgeom.hooks.modified_mask`): their geometry is still that of ``alpha`` and ``v``, which no
+    longer make the head's output. ``tokens`` is ``None`` for a result built from a cache without them.
     """
 
     layers: list[int]
     ns: list[int]
-    tokens: Tokens
+    tokens: Tokens | None
     queries: list[int]
     per_query: dict[str, Float[Tensor, "batch layer head_index query_pos n"]]
     params: dict[str, Float[Tensor, "layer head_index"]]
@@ -611,6 +679,15 @@ class SelectionResult:
     n_random: int = 4
     basis: str = "as loaded"
     model_name: str = ""
+    modified: Bool[Tensor, "batch layer head_index query_pos"] | None = None
+
+    @property
+    def modified_heads(self) -> list[tuple[int, int]]:
+        """``(layer, head)`` pairs whose ``z`` an earlier hook changed at some analysed query."""
+        if self.modified is None:
+            return []
+        hit = self.modified.any(dim=3).any(dim=0)
+        return [(self.layers[int(li)], int(h)) for li, h in hit.nonzero().tolist()]
 
     def to_frame(self, *, tol: float = 1e-6) -> pd.DataFrame:
         """One row per ``(layer, head, N)``; means over the batch and the queries where defined.
@@ -620,7 +697,7 @@ class SelectionResult:
         (both over the queries with a sink in ``I_N``: the sink's effect, paired), ``certificate``,
         ``cert_violations`` (queries with certificate > F_N + tol; 0 by theorem), ``m_inv, q_inv, bound,
         bound_violations, bound_ideal, ideal_violations`` (the constant-norm prediction is not a
-        guarantee).
+        guarantee). ``modified`` is ``True`` for a head whose ``z`` an earlier hook changed.
         """
         pq = self.per_query
         f = pq["f_top"]
@@ -661,6 +738,11 @@ class SelectionResult:
             }
         )
         frame["f_gap"] = frame["f_top"] - frame["f_random"]
+        if self.modified is not None:
+            mod = self.modified.any(dim=3).any(dim=0)  # [layer head]
+            frame["modified"] = mod[ll.flatten(), hh.flatten()].numpy()
+        else:
+            frame["modified"] = False
         return frame
 
     def params_frame(self, *, norm_tolerance: float = 2.0) -> pd.DataFrame:
@@ -738,6 +820,14 @@ class SelectionCollector:
         return self.collector.fwd_hooks
 
     def _on_layer(self, acts: LayerActivations) -> None:
+        n_pos = acts.pattern.shape[-1]
+        too_big = [n for n in self.ns if n > n_pos]
+        if too_big:
+            warnings.warn(
+                f"N={too_big} is larger than every query's source count (at most {n_pos} in sequences of "
+                f"{n_pos} positions): F_N is NaN there",
+                stacklevel=2,
+            )
         with torch.no_grad():
             self._done[acts.layer] = layer_selection(
                 acts.pattern,
@@ -747,11 +837,18 @@ class SelectionCollector:
                 verbose=self.verbose,
                 **self.kwargs,
             )
+            queries = torch.tensor(self._done[acts.layer]["queries"], dtype=torch.long)
+            mod = acts.modified
+            self._done[acts.layer]["modified"] = (
+                torch.zeros((*acts.pattern.shape[:2], len(queries)), dtype=torch.bool)
+                if mod is None
+                else mod[:, :, queries.to(mod.device)].cpu()
+            )
 
     def feed_cache(self, cache: Any) -> None:
         self.collector.feed_cache(cache)
 
-    def result(self, tokens: Tokens) -> SelectionResult:
+    def result(self, tokens: Tokens | None = None) -> SelectionResult:
         missing = [layer for layer in self.layers if layer not in self._done]
         if missing:
             raise RuntimeError(
@@ -769,7 +866,7 @@ class SelectionCollector:
         return SelectionResult(
             layers=list(self.layers),
             ns=list(self.ns),
-            tokens=tokens.detach().cpu(),
+            tokens=None if tokens is None else tokens.detach().cpu(),
             queries=list(self._done[self.layers[0]]["queries"]),
             per_query=per_query,
             params=params,
@@ -777,6 +874,7 @@ class SelectionCollector:
             sink_positions=tuple(self.kwargs["sink_positions"]),
             n_random=int(self.kwargs["n_random"]),
             model_name=str(getattr(self.model.cfg, "model_name", "")),
+            modified=torch.stack([self._done[la]["modified"] for la in self.layers], dim=1),
         )
 
 
@@ -786,16 +884,26 @@ def token_selection(
     *,
     layers: int | Sequence[int] | None = None,
     extra_hooks: Sequence[FwdHook] = (),
+    dtype: torch.dtype = torch.float32,
     **kwargs: Any,
 ) -> SelectionResult:
     """Token-selection geometry of every head of ``layers`` (default: all) in one forward pass.
 
     ``kwargs`` go to :class:`SelectionCollector` (``projected``, ``ns``, ``sink_positions``,
-    ``n_random``, ``seed``, ``bound``, ``query_stride``, ``dtype``, ``batch_chunk``, ``verbose``). ``extra_hooks`` run in the same
-    pass, before mechgeom's readers on the same hook point (e.g. a pattern intervention).
+    ``n_random``, ``seed``, ``bound``, ``query_stride``, ``batch_chunk``, ``verbose``). ``extra_hooks`` run in the same
+    pass, before mechgeom's readers on the same hook point (e.g. a pattern intervention). ``dtype``:
+    the precision of distances, scores and bounds, ``float32`` by default; ``torch.float64`` gives
+    (near-)exact ``F_N`` where distances tie (see :func:`layer_selection`).
     """
-    tokens = to_tokens(model, tokens_or_text)
-    col = SelectionCollector(model, layers, **kwargs)
+    _check_dtype(dtype)
+    col = SelectionCollector(model, layers, dtype=dtype, **kwargs)
+    sinks = col.kwargs["sink_positions"]
+    tokens = to_tokens(
+        model,
+        tokens_or_text,
+        min_pos=max(sinks, default=0) + 2,
+        what="token selection (a query after the sinks)",
+    )
     _check_sinks(col.kwargs["sink_positions"], tokens.shape[1])
     run_hooks(model, tokens, [*extra_hooks, *col.fwd_hooks], stop_at_layer=max(col.layers) + 1)
     return col.result(tokens)
@@ -807,12 +915,14 @@ def token_selection_from_cache(
     *,
     layers: int | Sequence[int] | None = None,
     tokens: Tokens | None = None,
+    dtype: torch.dtype = torch.float32,
     **kwargs: Any,
 ) -> SelectionResult:
-    """The same result from an ``ActivationCache`` holding ``hook_pattern``, ``hook_v``, ``hook_z``."""
-    col = SelectionCollector(model, layers, **kwargs)
+    """The same result from an ``ActivationCache`` holding ``hook_pattern``, ``hook_v``, ``hook_z``.
+
+    ``dtype`` as in :func:`token_selection` (``float32`` by default, ``torch.float64`` near ties).
+    """
+    _check_dtype(dtype)
+    col = SelectionCollector(model, layers, dtype=dtype, **kwargs)
     col.feed_cache(cache)
-    if tokens is None:
-        first = cache[f"blocks.{col.layers[0]}.attn.hook_pattern"]
-        tokens = torch.zeros(first.shape[0], first.shape[-1], dtype=torch.long)
-    return col.result(tokens)
+    return col.result(None if tokens is None else to_tokens(model, tokens))

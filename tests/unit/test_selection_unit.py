@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+from decimal import Decimal, getcontext
+from fractions import Fraction
 
 import pytest
 import torch
@@ -520,3 +522,218 @@ def test_wrong_regime_parameters_can_break_the_bound() -> None:
     f = extreme_f_score(d, mem, cand)
     assert (sink_aware_bound(pat, mem, cand, sink_mask, honest)[0] <= f + 1e-12)[..., 2:].all()
     assert (sink_aware_bound(pat, mem, cand, sink_mask, lying)[0] > f + 1e-12).any()
+
+
+# --------------------------------------------------------------------------- exact ties (issue 12)
+
+
+def exact_f(a: list[float], vals: list[list[float]], members: list[int], cands: list[int]) -> float:
+    """F_N in exact rational arithmetic on the given floats (Fraction(x) is exact): d_j² as fractions,
+    then the loop over radii (the squares have the same order and ties as the distances)."""
+    fa = [Fraction(x) for x in a]
+    fv = [[Fraction(x) for x in row] for row in vals]
+    s = [sum((fa[j] * fv[j][c] for j in members), Fraction(0)) for c in range(len(fv[0]))]
+    d2 = {j: sum(((fa[j] * fv[j][c] - s[c]) ** 2 for c in range(len(s))), Fraction(0)) for j in cands}
+    return brute_f(d2, set(members))  # type: ignore[arg-type]
+
+
+def reference_beta(
+    a: list[float],
+    sinks: set[int],
+    params: BoundParams,
+    head: int,
+    members: list[int],
+    cands: list[int],
+    slack: float = 0.0,
+) -> float:
+    """The theorem's beta, term by term as in docs/selection_bound.md, in 50-digit decimals, with the given
+    (float) parameters; ``slack`` moves every comparison by ``slack * R²`` (``R = A + max_k a_k n⁺_k``)
+    against the bound, so the computed bound must be at least this value."""
+    getcontext().prec = 50
+    p = {k: Decimal(float(t[head])) for k, t in params.as_dict().items() if t.numel()}
+    lo = {j: p["sink_min"] if j in sinks else p["nu_min"] for j in cands}
+    hi = {j: p["sink_max"] if j in sinks else p["nu_max"] for j in cands}
+    w = {j: Decimal(a[j]) for j in cands}
+
+    def pp(j: int, k: int) -> Decimal:
+        n_sinks = (j in sinks) + (k in sinks)
+        c = [p["mu"], -p["kappa"], Decimal(1)][n_sinks]  # the cosine bound of the pair
+        return c * hi[j] * hi[k] if c >= 0 else c * lo[j] * lo[k]
+
+    def q_plus(t: list[int]) -> Decimal:
+        return sum((w[j] * w[k] * (hi[j] ** 2 if j == k else pp(j, k)) for j in t for k in t), Decimal(0))
+
+    def sqrt0(x: Decimal) -> Decimal:
+        return max(x, Decimal(0)).sqrt()
+
+    u = {j: sqrt0(q_plus([m for m in members if m != j])) for j in members}
+    s_minus = max(Decimal(0), max(w[j] * lo[j] - u[j] for j in members))
+    s_plus = sqrt0(q_plus(members))
+    outs = [k for k in cands if k not in members]
+    low2 = {}
+    for k in outs:
+        x = sum((w[m] * pp(k, m) for m in members), Decimal(0))
+        e1 = w[k] ** 2 * lo[k] ** 2 - 2 * w[k] * x + s_minus**2
+        e2 = max(Decimal(0), s_minus - w[k] * hi[k]) ** 2
+        e3 = max(Decimal(0), w[k] * lo[k] - s_plus) ** 2
+        low2[k] = max(e1, e2, e3, Decimal(0))
+    big_r = sum((w[m] * hi[m] for m in members), Decimal(0)) + max(w[j] * hi[j] for j in cands)
+    sl = Decimal(slack) * big_r**2
+    u_star2 = max(u.values()) ** 2
+    min_l2 = min(low2.values()) if outs else None
+    m_plus = sum(1 for k in outs if low2[k] <= u_star2 + sl)
+    q_minus = sum(1 for j in members if min_l2 is None or u[j] ** 2 + sl < min_l2)
+    n = len(members)
+    return max(2 * n / (2 * n + m_plus), 2 * q_minus / (n + q_minus))
+
+
+def tie_reproducer() -> tuple[torch.Tensor, torch.Tensor]:
+    """Issue 12: u = (.6, .8, 0); V = (−u/2, u, u, u, u, u, u); the identity pattern except its last row."""
+    u = [0.6, 0.8, 0.0]
+    vals = [[-0.5 * x for x in u]] + [u] * 6
+    pat = torch.eye(7, dtype=F64)
+    pat[6] = torch.tensor([0.59, 0.0, 0.0, 0.07, 0.21, 0.0, 0.13], dtype=F64)
+    return pat[None, None], torch.tensor(vals, dtype=F64)[None, :, None, :]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_tie_reproducer_bound_never_exceeds_f(dtype: torch.dtype) -> None:
+    pat, v = tie_reproducer()
+    out = layer_selection(pat, v, ns=[5], n_random=0, dtype=dtype)["per_query"]
+    a, vals = pat[0, 0, 6].tolist(), v[0, :, 0].tolist()
+    top = brute_top(a, list(range(7)), 5)
+    # member 1 and non-members 2, 5 have weight 0: d = ‖s‖ = 0.115 for all three
+    assert top == [0, 4, 6, 3, 1]
+    f = exact_f(a, vals, top, list(range(7)))
+    assert f == pytest.approx(5 / 6, abs=1e-12)
+    got = {k: out[k][0, 0, 6, 0].item() for k in ("f_top", "certificate", "bound", "bound_ideal")}
+    assert got["f_top"] == pytest.approx(f, abs=1e-6)
+    for name in ("certificate", "bound", "bound_ideal"):  # norms are constant: bound_ideal is guaranteed here
+        assert got[name] <= f + 1e-6, (name, got)
+    # still informative: in exact arithmetic m = m+ = 2 and q = q- = 3, so beta = max(10/12, 6/8) = F
+    assert got["bound"] == pytest.approx(5 / 6, abs=1e-6)
+    assert out["m_inv"][0, 0, 6, 0].item() == 2 and out["q_inv"][0, 0, 6, 0].item() == 3
+    # the same through sink_aware_bound with the regime's exact parameters (nu = 1, rho = 1/2, kappa = mu = 1)
+    one = torch.ones(1, dtype=F64)
+    params = BoundParams(one, one, one, one / 2, one / 2, one, one, one / 2)
+    cand = candidate_mask(7)
+    mem = (source_ranks(pat, cand) < 5) & cand
+    bound, m_plus, q_minus = sink_aware_bound(pat, mem, cand, torch.arange(7) == 0, params, dtype=dtype)
+    assert (m_plus[0, 0, 6].item(), q_minus[0, 0, 6].item()) == (2, 3)
+    assert bound[0, 0, 6].item() <= f + 1e-6
+    ref = reference_beta(a, {0}, params, 0, top, list(range(7)))  # the theorem term by term
+    assert bound[0, 0, 6].item() == pytest.approx(ref, abs=1e-6) and ref == pytest.approx(5 / 6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_duplicated_values_of_equal_weight_at_n1(dtype: torch.dtype) -> None:
+    """Two copies of one value with the same (largest) weight, constant non-sink norm: F_1 = 2/3, and the
+    duplicate's L_k² = a²ν² − 2a(aν²) + (aν)² is 0 exactly but rounds to a tiny positive number."""
+    nu = 1.7
+    dirs = [[0.0, 0.6, 0.8], [0.8, 0.0, 0.6], [0.6, 0.8, 0.0], [0.6, 0.8, 0.0]]
+    vals = [[-0.5 * nu * x for x in dirs[0]]] + [[nu * x for x in r] for r in dirs[1:]]
+    v = torch.tensor(vals, dtype=F64)[None, :, None, :]
+    pat = torch.eye(4, dtype=F64)
+    pat[3] = torch.tensor([0.24, 0.16, 0.3, 0.3], dtype=F64)
+    out = layer_selection(pat[None, None], v, ns=[1], n_random=0, dtype=dtype)["per_query"]
+    a = pat[3].tolist()
+    f = exact_f(a, vals, [2], [0, 1, 2, 3])
+    assert f == pytest.approx(2 / 3, abs=1e-12)  # d_2 = d_3 = 0: the ball at radius 0 holds both
+    assert out["f_top"][0, 0, 3, 0].item() == pytest.approx(f, abs=1e-6)
+    for name in ("certificate", "bound", "bound_ideal"):
+        assert out[name][0, 0, 3, 0].item() <= f + 1e-6, name
+    assert out["bound"][0, 0, 3, 0].item() == pytest.approx(2 / 3, abs=1e-6)  # m+ = 1: exactly F
+    # a strict top (the copy's weight a little lower) is decided as in exact arithmetic: beta = 1 = F
+    pat[3, 3] = 0.29
+    strict = layer_selection(pat[None, None], v, ns=[1], n_random=0, dtype=dtype)["per_query"]
+    assert strict["bound"][0, 0, 3, 0].item() == 1.0 and strict["f_top"][0, 0, 3, 0].item() == 1.0
+
+
+def test_tie_margin_rtol_is_checked_and_zero_margin_is_the_plain_comparison() -> None:
+    d = torch.tensor([[0.0, 1.0, 1.0 + 1e-15, 3.0]], dtype=F64)
+    mem = torch.tensor([[True, True, False, False]])
+    valid = torch.ones_like(mem)
+    assert inversion_certificate(d, mem, valid)[1].item() == 1  # the near-tie counts in m
+    assert inversion_certificate(d, mem, valid, rtol=0.0)[1].item() == 0  # exact comparison: it does not
+    with pytest.raises(ValueError, match="rtol"):
+        inversion_certificate(d, mem, valid, rtol=-1e-3)
+    pat, v = tie_reproducer()
+    with pytest.raises(ValueError, match=r"float32.*float64"):
+        layer_selection(pat, v, ns=[5], dtype=torch.float16)
+    with pytest.raises(ValueError, match="dtype"):
+        token_selection(make_tiny(n_layers=1), random_tokens(1, 5), dtype=torch.int64)
+
+
+#: unit directions with exact rational coordinates (Pythagorean triples) and their negatives
+DIRECTIONS = [
+    (1.0, 0.0, 0.0),
+    (0.0, 1.0, 0.0),
+    (0.6, 0.8, 0.0),
+    (0.0, 0.6, 0.8),
+    (0.8, 0.0, 0.6),
+    (-0.6, 0.8, 0.0),
+]
+WEIGHTS = [0.0, 0.07, 0.1, 0.13, 0.21, 0.25, 0.3, 0.5, 0.59]
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    k=st.integers(3, 8),
+    nu=st.sampled_from([1.0, 1.7, 0.3]),
+    sink=st.tuples(st.integers(0, len(DIRECTIONS) - 1), st.sampled_from([0.25, 0.5, 0.9])),
+    rows=st.lists(
+        st.tuples(st.integers(0, 3), st.sampled_from([1.0, 1.0, 1.0, 2.0, 0.5])), min_size=7, max_size=7
+    ),
+    weights=st.lists(st.sampled_from(WEIGHTS), min_size=64, max_size=64),
+    normalise=st.booleans(),
+    compensate=st.booleans(),
+)
+def test_bound_and_certificate_never_exceed_exact_f_near_ties(
+    k: int,
+    nu: float,
+    sink: tuple[int, float],
+    rows: list[tuple[int, float]],
+    weights: list[float],
+    normalise: bool,
+    compensate: bool,
+) -> None:
+    """Near-tied inputs: values drawn from 4 directions (so duplicated rows are frequent), scaled copies
+    (x2, x1/2, optionally with the weight scaled back so that y_j = y_k exactly), weights from a short list
+    (equal weights, zeros). Every input is a float32 number, so both dtypes solve the same problem; F_N is
+    computed exactly (fractions)."""
+    sdir, rho = sink
+    vals = [[-rho * nu * x for x in DIRECTIONS[sdir]]] + [
+        [mult * nu * x for x in DIRECTIONS[di]] for di, mult in rows[: k - 1]
+    ]
+    a = torch.tensor(weights[: k * k], dtype=F64).reshape(k, k).tril()
+    if normalise:
+        a = a / a.sum(-1, keepdim=True).clamp_min(1e-9)
+    a = a.float().double()
+    if compensate:  # a scaled copy gets the weight scaled back: its contribution equals the original's
+        for j in range(1, k):
+            for m in range(1, j):
+                if rows[j - 1][0] == rows[m - 1][0]:
+                    a[j:, j] = a[j:, m] * (rows[m - 1][1] / rows[j - 1][1])
+                    break
+    v32 = torch.tensor(vals, dtype=torch.float32).double()
+    vals = v32.tolist()
+    pat, v = a[None, None], v32[None, :, None, :]
+    ns = [1, 2, 3, 5]
+    params = fit_bound_params(v, [0])  # what layer_selection fits (float64, value space)
+    for dtype, slack in ((torch.float32, 2e-2), (torch.float64, 1e-6)):
+        out = layer_selection(pat, v, ns=ns, n_random=0, dtype=dtype)["per_query"]
+        for i in range(k):
+            row = a[i].tolist()
+            for t, n in enumerate(ns):
+                if i + 1 < n:
+                    continue
+                cands = list(range(i + 1))
+                top = brute_top(row, cands, n)
+                f = exact_f(row, vals, top, cands)
+                bound, cert = out["bound"][0, 0, i, t].item(), out["certificate"][0, 0, i, t].item()
+                assert bound <= f + 1e-6, (dtype, i, n, bound, f)
+                assert cert <= f + 1e-6, (dtype, i, n, cert, f)
+                assert cert <= out["f_top"][0, 0, i, t].item() + 1e-6
+                # informative: the bound loses only comparisons within slack * R² of a tie
+                ref = reference_beta(row, {0}, params, 0, top, cands, slack=slack)
+                assert bound >= ref - 1e-6, (dtype, i, n, bound, ref)
