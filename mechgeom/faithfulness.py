@@ -50,11 +50,11 @@ import pandas as pd
 import torch
 from transformer_lens.hook_points import HookPoint
 
-from mechgeom._io import atomic_write, read_frame, write_frame
-from mechgeom._progress import progress
+from mechgeom._io import atomic_write, write_frame
 from mechgeom.contribution import INTER_METRICS, INTRA_METRICS, RANKING_METRICS, ContributionCollector
 from mechgeom.evaluation import bootstrap_ci
 from mechgeom.hooks import FwdHook, check_decoder, check_index, hook_name, resolve_layers, to_tokens
+from mechgeom.sweep import Item, LocalExecutor, RowStore, run_sweep
 from mechgeom.typing import Bool, Float, Int, Pattern, SourceRanks, Tensor, Tokens
 
 __all__ = [
@@ -562,28 +562,79 @@ class _Units:
 _STORE_KEYS = ["metric", "mode", "rate", "unit_hash"]
 
 
-def _settings_frame_cols(settings: dict[str, Any]) -> dict[str, Any]:
-    return {f"setting_{k}": v for k, v in settings.items()}
+@dataclass
+class _SweepWork:
+    """The work of one sweep item (picklable): the clean rows of a batch or one (metric, mode, rate) pass.
 
+    Items name their batch by its unit indices; the batch's clean pass (rankings, clean log-likelihoods,
+    metric aliases) and its masked results are cached per worker, one batch at a time.
+    """
 
-def _load_store(path: Path | None, settings: dict[str, Any]) -> pd.DataFrame:
-    cols = [*_STORE_KEYS, "logprob", "n_pred", *_settings_frame_cols(settings)]
-    if path is None or not path.exists():
-        return pd.DataFrame(columns=cols)
-    df = read_frame(path)
-    missing = [c for c in cols if c not in df.columns]
-    if missing:
-        raise ValueError(f"{path} is not a mechgeom faithfulness record (missing columns {missing})")
-    for key, want in _settings_frame_cols(settings).items():
-        have = sorted({str(v) for v in df[key]})
-        if have and have != [str(want)]:
-            raise ValueError(
-                f"{path} was written with {key.removeprefix('setting_')}={have}, but this run uses {want!r}; "
-                "delete the file or choose another out= to start a fresh sweep"
+    units: _Units
+    layers: list[int]
+    scope: str
+    seed: int
+    _cache: dict[Any, Any] = field(default_factory=dict, repr=False)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_cache": {}}
+
+    def _batch(self, model: Any, idx: tuple[int, ...], needed: tuple[str, ...]) -> dict[str, Any]:
+        if (idx, needed) not in self._cache:
+            self._cache.clear()  # one batch at a time: its rankings live on the model's device
+            pos = max(self.units.lengths[u] for u in idx)
+            tokens = self.units.tokens[list(idx), :pos].to(model.cfg.device)
+            targets = self.units.targets[list(idx), : pos - 1]
+            rankings, clean_lp, n_pred = _clean_pass(
+                model,
+                tokens,
+                targets,
+                needed,
+                scope=self.scope,
+                layers=self.layers,
+                seed=self.seed,
+                lengths=[self.units.lengths[u] for u in idx],
+                store_device=model.cfg.device,
             )
-    df["rate"] = df["rate"].astype(float).map(_rkey)
-    df["unit_hash"] = df["unit_hash"].astype(str)
-    return df.drop_duplicates(_STORE_KEYS, keep="first").reset_index(drop=True)
+            # metrics whose rankings coincide on this batch (e.g. value_weighted and its per-query
+            # normalised version, which differ only by a positive factor per query) share their passes
+            alias: dict[str, str] = {}
+            for m in needed:
+                alias[m] = next((a for a in alias.values() if rankings[a].same_as(rankings[m])), m)
+            self._cache[(idx, needed)] = {
+                "tokens": tokens,
+                "targets": targets,
+                "rankings": rankings,
+                "clean": clean_lp,
+                "n_pred": n_pred,
+                "alias": alias,
+                "results": {},
+            }
+        return self._cache[(idx, needed)]  # type: ignore[no-any-return]
+
+    def __call__(self, model: Any, item: Item) -> pd.DataFrame:
+        idx, (m, mode, r) = item.batch, item.key[:3]
+        b = self._batch(model, idx, item.data)
+        if m == _CLEAN:
+            logprob = b["clean"]
+        else:
+            shared = (b["alias"][m], mode, r)
+            if shared not in b["results"]:
+                hooks = masking_hooks(
+                    model, ranking=b["rankings"][shared[0]], rate=r, mode=mode, layers=self.layers
+                )
+                b["results"][shared] = _masked_scores(model, b["tokens"], b["targets"], hooks)
+            logprob = b["results"][shared]
+        return pd.DataFrame(
+            {
+                "metric": m,
+                "mode": mode,
+                "rate": r,
+                "unit_hash": [self.units.hashes[u] for u in idx],
+                "logprob": logprob.double().numpy(),
+                "n_pred": b["n_pred"].long().cpu().numpy(),
+            }
+        )
 
 
 def _sweep(
@@ -605,77 +656,37 @@ def _sweep(
     """Per-unit target log-likelihoods for the clean pass and every (metric, mode, rate > 0).
 
     Rate 0 removes nothing, so its rows are the clean pass (the hook is exact at rate 0; see the tests).
-    With ``store``, the record is rewritten atomically after every masked pass and finished
+    The work runs on :func:`mechgeom.sweep.run_sweep`: one item per batch's clean pass and per (metric,
+    mode, rate, batch); with ``store`` the record is rewritten atomically after every item and finished
     (key, unit) pairs are skipped on a rerun.
     """
-    record = _load_store(store, settings)
-    done = set(zip(record["metric"], record["mode"], record["rate"], record["unit_hash"], strict=True))
-    setting_cols = _settings_frame_cols(settings)
+    rows = RowStore(
+        store,
+        key=_STORE_KEYS,
+        settings=settings,
+        what="faithfulness record",
+        fresh="delete the file or choose another out=",
+    )
     keys = [(m, mode, r) for m in metrics for mode in modes for r in rates if r > 0]
-    clean_key = (_CLEAN, _CLEAN, 0.0)
-    new_rows: list[pd.DataFrame] = []
-
-    def save(key: tuple[str, str, float], idx: list[int], logprob: Tensor, n_pred: Tensor) -> None:
-        nonlocal record
-        keep = [k for k, u in enumerate(idx) if (*key, units.hashes[u]) not in done]
-        if not keep:
-            return
-        rows = pd.DataFrame(
-            {
-                "metric": key[0],
-                "mode": key[1],
-                "rate": key[2],
-                "unit_hash": [units.hashes[idx[k]] for k in keep],
-                "logprob": logprob[keep].double().numpy(),
-                "n_pred": n_pred[keep].long().cpu().numpy(),
-                **setting_cols,
-            }
-        )
-        done.update((*key, units.hashes[idx[k]]) for k in keep)
-        new_rows.append(rows)
-        if store is not None:
-            record = pd.concat([record, *new_rows], ignore_index=True) if len(record) else pd.concat(new_rows)
-            new_rows.clear()
-            write_frame(record, store)
-
-    batches = units.batches(batch_size, by_length=by_length)
-    for idx in progress(batches, desc="faithfulness: text batches", enabled=verbose, total=len(batches)):
+    items = []
+    for b, idx in enumerate(units.batches(batch_size, by_length=by_length)):
         hashes = [units.hashes[u] for u in idx]
-        pending = [k for k in keys if any((*k, h) not in done for h in hashes)]
-        if not pending and all((*clean_key, h) in done for h in hashes):
-            continue
-        pos = max(units.lengths[u] for u in idx)
-        tokens = units.tokens[idx, :pos].to(model.cfg.device)
-        targets = units.targets[idx, : pos - 1]
-        needed = tuple(dict.fromkeys(k[0] for k in pending))
-        rankings, clean_lp, n_pred = _clean_pass(
-            model,
-            tokens,
-            targets,
-            needed,
-            scope=scope,
-            layers=layers,
-            seed=seed,
-            lengths=[units.lengths[u] for u in idx],
-            store_device=model.cfg.device,
-        )
-        save(clean_key, idx, clean_lp, n_pred)
-        # metrics whose rankings coincide on this batch (e.g. value_weighted and its per-query normalised
-        # version, which differ only by a positive factor per query) share their masked passes
-        alias: dict[str, str] = {}
-        for m in needed:
-            alias[m] = next((a for a in alias.values() if rankings[a].same_as(rankings[m])), m)
-        results: dict[tuple[str, str, float], Tensor] = {}
-        for key in progress(pending, desc="faithfulness: masked passes", enabled=verbose, total=len(pending)):
-            m, mode, r = key
-            shared = (alias[m], mode, r)
-            if shared not in results:
-                hooks = masking_hooks(model, ranking=rankings[alias[m]], rate=r, mode=mode, layers=layers)
-                results[shared] = _masked_scores(model, tokens, targets, hooks)
-            save(key, idx, results[shared], n_pred)
-        del rankings
-    if new_rows:
-        record = pd.concat([record, *new_rows], ignore_index=True) if len(record) else pd.concat(new_rows)
+        pending = [k for k in keys if any((*k, h) not in rows for h in hashes)]
+        needed = tuple(dict.fromkeys(k[0] for k in pending))  # the clean pass ranks only what is left
+        for key in [(_CLEAN, _CLEAN, 0.0), *keys]:
+            row_keys = tuple((*key, h) for h in hashes)
+            items.append(Item(key=(*key, b), rows=row_keys, batch=tuple(idx), data=needed))
+    run_sweep(
+        items,
+        _SweepWork(units, layers, scope, seed),
+        rows,
+        executor=LocalExecutor(model),
+        desc="faithfulness: masked passes",
+        verbose=verbose,
+    )
+    record = rows.frame.copy()
+    record["rate"] = record["rate"].astype(float).map(_rkey)
+    record["unit_hash"] = record["unit_hash"].astype(str)
     return record
 
 
