@@ -656,10 +656,11 @@ class ContributionCollector:
     straight into the ``[batch, layer, ...]`` tensors of the result (no second copy).
 
     >>> import torch
-    >>> from transformer_lens import HookedTransformer, HookedTransformerConfig
-    >>> cfg = HookedTransformerConfig(n_layers=1, d_model=8, n_ctx=8, d_head=4, n_heads=2,
+    >>> from transformer_lens.config import TransformerBridgeConfig
+    >>> from transformer_lens.model_bridge import TransformerBridge
+    >>> cfg = TransformerBridgeConfig(n_layers=1, d_model=8, n_ctx=8, d_head=4, n_heads=2,
     ...                               attn_only=True, d_vocab=10, seed=0)
-    >>> model = HookedTransformer(cfg)
+    >>> model = TransformerBridge.boot_native(cfg)  # works on TransformerLens 3.x and 4.x
     >>> col = ContributionCollector(model, intra=["contribution"], inter=["contribution"])
     >>> _ = model.run_with_hooks(torch.tensor([[1, 2, 3]]), fwd_hooks=col.fwd_hooks)
     >>> res = col.result(torch.tensor([[1, 2, 3]]))

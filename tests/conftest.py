@@ -12,9 +12,20 @@ from collections.abc import Callable
 
 import pytest
 import torch
-from transformer_lens import HookedTransformer, HookedTransformerConfig
+
+try:  # TransformerLens 3.x; 4.x has only the bridge (tiny models are then TransformerBridge.boot_native)
+    from transformer_lens import HookedTransformer, HookedTransformerConfig
+except ImportError:
+    HookedTransformer = None  # type: ignore[assignment,misc]
+    HookedTransformerConfig = None  # type: ignore[assignment,misc]
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+#: TransformerLens 3.x (``HookedTransformer`` exists); tests of its internals are marked ``needs_hooked``.
+HAS_HOOKED = HookedTransformer is not None
+needs_hooked = pytest.mark.skipif(
+    not HAS_HOOKED, reason="inspects HookedTransformer (TransformerLens 3.x only)"
+)
 
 
 def make_tiny(
@@ -31,7 +42,25 @@ def make_tiny(
     seed: int = 0,
     normalization_type: str | None = "LN",
 ) -> HookedTransformer:
-    """A seeded random decoder; ``n_kv`` < ``n_heads`` makes it GQA; ``b_O`` randomises the output bias."""
+    """A seeded random decoder; ``n_kv`` < ``n_heads`` makes it GQA; ``b_O`` randomises the output bias.
+
+    A ``HookedTransformer`` on TransformerLens 3.x, a ``TransformerBridge.boot_native`` model on 4.x (same
+    config, same hook names; different random draws, so tests compare with references, not constants).
+    """
+    if not HAS_HOOKED:
+        return _make_tiny_bridge(
+            n_layers=n_layers,
+            n_heads=n_heads,
+            d_head=d_head,
+            d_model=d_model,
+            n_kv=n_kv,
+            attn_only=attn_only,
+            b_O=b_O,
+            n_ctx=n_ctx,
+            d_vocab=d_vocab,
+            seed=seed,
+            normalization_type=normalization_type,
+        )
     cfg = HookedTransformerConfig(
         n_layers=n_layers,
         d_model=d_model,
@@ -60,6 +89,56 @@ def make_tiny(
             # bigger weights give peaky, varied attention patterns
             block.attn.W_Q.mul_(4.0)
             block.attn.W_K.mul_(4.0)
+    model.eval()
+    return model
+
+
+def _make_tiny_bridge(
+    *,
+    n_layers: int,
+    n_heads: int,
+    d_head: int,
+    d_model: int,
+    n_kv: int | None,
+    attn_only: bool,
+    b_O: bool,
+    n_ctx: int,
+    d_vocab: int,
+    seed: int,
+    normalization_type: str | None,
+) -> object:
+    from transformer_lens.config import TransformerBridgeConfig
+    from transformer_lens.model_bridge import TransformerBridge
+
+    cfg = TransformerBridgeConfig(
+        n_layers=n_layers,
+        d_model=d_model,
+        n_ctx=n_ctx,
+        d_head=d_head,
+        n_heads=n_heads,
+        d_mlp=None if attn_only else 4 * d_model,
+        d_vocab=d_vocab,
+        act_fn=None if attn_only else "gelu",
+        attn_only=attn_only,
+        n_key_value_heads=n_kv,
+        normalization_type=normalization_type,
+        seed=seed,
+        init_weights=True,
+        dtype=torch.float32,
+        device="cpu",
+    )
+    model = TransformerBridge.boot_native(cfg)
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for block in model.original_model.layers:
+            attn = block.attn
+            if b_O:
+                attn.o.bias.copy_(torch.randn(attn.o.bias.shape, generator=g) * 0.5)
+            else:
+                attn.o.bias.zero_()
+            # bigger weights give peaky, varied attention patterns
+            attn.q.weight.mul_(4.0)
+            attn.k.weight.mul_(4.0)
     model.eval()
     return model
 

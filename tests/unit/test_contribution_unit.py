@@ -7,11 +7,10 @@ from functools import partial
 
 import pytest
 import torch
-from conftest import make_tiny, random_tokens
+from conftest import make_tiny, needs_hooked, random_tokens
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from reference_contribution import acts_of, assert_all_metrics_match, brute_force
-from transformer_lens import HookedEncoder, HookedTransformer, HookedTransformerConfig
 from transformer_lens.patching import layer_head_pattern_patch_setter, layer_head_vector_patch_setter
 
 from mechgeom.contribution import (
@@ -459,7 +458,10 @@ def test_bad_input_errors() -> None:
     assert not has_hooks(model)
 
 
+@needs_hooked
 def test_encoder_models_are_refused() -> None:
+    from transformer_lens import HookedEncoder, HookedTransformer, HookedTransformerConfig
+
     cfg = HookedTransformerConfig(
         n_layers=1,
         d_model=8,

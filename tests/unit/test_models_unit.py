@@ -17,6 +17,12 @@ def test_list_models_names_the_offline_choices() -> None:
     assert list_models() == ["smollm2-135m", "gemma-3-270m"]
 
 
+needs_hooked = pytest.mark.skipif(
+    models.HookedTransformer is None, reason="HookedTransformer needs TransformerLens 3.x"
+)
+
+
+@needs_hooked
 def test_unknown_offline_name_lists_choices(monkeypatch: pytest.MonkeyPatch) -> None:
     # An unknown name falls through to HookedTransformer.from_pretrained; offline that fails, and the
     # error must still list the offline choices.
@@ -30,9 +36,89 @@ def test_unknown_offline_name_lists_choices(monkeypatch: pytest.MonkeyPatch) -> 
         gguf_path("no-such-model")
 
 
+def _check_short_answer(exc: ValueError, name: str) -> list[str]:
+    lines = str(exc).split("\n")
+    assert len(lines) == 2, lines
+    head, tl = lines
+    assert repr(name) in head and "'smollm2-135m', 'gemma-3-270m'" in head
+    assert "TransformerLens" in head and "network" in head
+    assert len(head) <= 200, len(head)
+    assert tl.startswith("TransformerLens said: ")
+    assert len(tl.removeprefix("TransformerLens said: ")) <= 200
+    assert len(str(exc)) <= 450
+    return lines
+
+
+def test_unknown_model_name_gives_a_short_answer() -> None:
+    # The real offline call (HF_HUB_OFFLINE=1 in conftest): TL 3.x answers with ~7,000 characters of
+    # official names, TL 4.x with a connection error; either way two short lines.
+    with pytest.raises(ValueError) as info:
+        load_model("minilm-l6")
+    _check_short_answer(info.value, "minilm-l6")
+    assert info.value.__cause__ is not None  # TL's full error stays reachable
+
+
+@pytest.mark.parametrize("backend", ["auto", "hooked", "bridge"])
+def test_unknown_model_name_cuts_transformer_lens_message(
+    monkeypatch: pytest.MonkeyPatch, backend: str
+) -> None:
+    if backend == "hooked" and models.HookedTransformer is None:
+        pytest.skip("HookedTransformer needs TransformerLens 3.x")
+    from transformer_lens.model_bridge import TransformerBridge
+
+    long = "not found. Valid names:\n" + ", ".join(f"'org/model-{i}'" for i in range(600))
+
+    def boom(*a: object, **k: object) -> None:
+        raise ValueError(long)
+
+    if models.HookedTransformer is not None:
+        monkeypatch.setattr(models.HookedTransformer, "from_pretrained", boom)
+    monkeypatch.setattr(TransformerBridge, "boot_transformers", boom)
+    with pytest.raises(ValueError) as info:
+        load_model("no-such-model", backend=backend)  # type: ignore[arg-type]
+    _, tl = _check_short_answer(info.value, "no-such-model")
+    cut = tl.removeprefix("TransformerLens said: ")
+    assert len(cut) == 200 and cut.endswith("…")
+    assert cut[:-1] == " ".join(f"ValueError: {long}".split())[:199]  # TL's own words, newlines folded
+    assert info.value.__cause__ is not None and str(info.value.__cause__) == long
+
+
 def test_unknown_backend() -> None:
     with pytest.raises(ValueError, match="backend"):
         load_model(backend="tpu")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"'auto', 'hooked' or 'bridge'"):
+        load_model("no-such-model", backend="Hooked")  # type: ignore[arg-type]
+
+
+def test_auto_backend_follows_the_installed_transformer_lens(monkeypatch: pytest.MonkeyPatch) -> None:
+    major = int(models.TL_VERSION.split(".")[0])
+    assert models.default_backend() == ("hooked" if major < 4 else "bridge")
+    assert (models.HookedTransformer is None) == (major >= 4)
+    assert models._resolve_backend("auto") == models.default_backend()
+    assert models._resolve_backend("bridge") == "bridge"
+
+
+def test_hooked_backend_on_transformer_lens_4_names_the_version(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(models, "HookedTransformer", None)
+    monkeypatch.setattr(models, "TL_VERSION", "4.3.0")
+    assert models.default_backend() == "bridge"
+    with pytest.raises(
+        ValueError, match=r"backend='hooked'.*transformer-lens 4\.3\.0 is installed.*'bridge'"
+    ):
+        load_model("smollm2-135m", backend="hooked")
+    with pytest.raises(ValueError, match=r"4\.3\.0"):
+        load_model("no-such-model", backend="hooked")
+
+
+def test_each_offline_model_carries_its_bos_rule() -> None:
+    # SmolLM2's GGUF tokenizer adds no BOS; Gemma's starts every text with <bos> (SPEC.md).
+    assert models._MODELS["smollm2-135m"].prepend_bos is False
+    assert models._MODELS["gemma-3-270m"].prepend_bos is True
+    from types import SimpleNamespace
+
+    m = SimpleNamespace(cfg=SimpleNamespace(default_prepend_bos=True))
+    models._apply_bos_rule(m, models._MODELS["smollm2-135m"])
+    assert m.cfg.default_prepend_bos is False
 
 
 def test_missing_wheel_gives_the_install_command(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -53,6 +139,7 @@ def test_cache_dir_follows_env(monkeypatch: pytest.MonkeyPatch, tmp_path: object
     assert str(models.cache_dir()) == str(tmp_path)
 
 
+@needs_hooked  # the hooked cache's HookedTransformerConfig
 def test_config_json_round_trip_is_exact() -> None:
     cfg = make_tiny(n_kv=2).cfg
     back = models._cfg_from_json(json.loads(json.dumps(models._cfg_to_json(cfg))))
