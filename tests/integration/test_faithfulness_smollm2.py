@@ -37,6 +37,74 @@ def test_smollm2_rate_one_silences_every_attention_layer(smollm2, smollm2_window
     assert not has_hooks(smollm2)
 
 
+def hand_mask(clean: torch.Tensor, num: int, den: int, mode: str) -> torch.Tensor:
+    """SPEC masking written out: per (head, query ``i``) rank sources ``j <= i`` by clean attention, largest first,
+    ties to the lower position; remove ``ceil(num/den * (i+1))`` (integer ceiling) from the top
+    (comprehensiveness) or the bottom (sufficiency). ``clean`` is ``[head, q, k]``; True = removed."""
+    mask = torch.zeros(clean.shape, dtype=torch.bool)
+    for h in range(clean.shape[0]):
+        for i in range(clean.shape[1]):
+            order = sorted(range(i + 1), key=lambda j: (-float(clean[h, i, j]), j))
+            count = -(-num * (i + 1) // den)
+            removed = order[:count] if mode == "comprehensiveness" else order[i + 1 - count :]
+            mask[h, i, removed] = True
+    return mask
+
+
+@pytest.mark.parametrize("mode", ["comprehensiveness", "sufficiency"])
+def test_smollm2_masked_pattern_matches_hand_mask(smollm2, smollm2_windows, mode) -> None:
+    """The library's hook against a mask written here from a plain ``run_with_cache``: ``ceil`` counts, removed
+    entries exactly 0, kept entries unchanged (no renormalisation), and the clean ranking reused downstream."""
+    tokens, layers, (num, den) = smollm2_windows[:1, :24], [2, 5], (3, 10)
+    names = [f"blocks.{la}.attn.hook_pattern" for la in layers]
+    with torch.no_grad():
+        _, cache = smollm2.run_with_cache(tokens, names_filter=names)
+    masks = {la: hand_mask(cache[n][0], num, den, mode) for la, n in zip(layers, names, strict=True)}
+    counts = torch.tensor([-(-num * (i + 1) // den) for i in range(24)])
+    assert (counts > torch.tensor([num * (i + 1) // den for i in range(24)])).sum() >= 20  # ceil != floor
+    for m in masks.values():
+        assert torch.equal(m.sum(-1), counts.expand(9, -1))
+
+    ranking = fa.source_rankings(smollm2, tokens, ["attention"], layers=layers)["attention"]
+    seen: dict[tuple[int, str], torch.Tensor] = {}
+
+    def read(p, hook, key):  # type: ignore[no-untyped-def]
+        seen[key] = p.detach().clone()
+
+    lib = fa.masking_hooks(smollm2, ranking=ranking, rate=num / den, mode=mode)
+    assert [n for n, _ in lib] == names
+    hooks = []
+    for la, n, fn in zip(layers, names, [f for _, f in lib], strict=True):
+        hooks += [(n, partial(read, key=(la, "in"))), (n, fn), (n, partial(read, key=(la, "out")))]
+    with torch.no_grad():
+        loss = smollm2.run_with_hooks(tokens, fwd_hooks=hooks, return_type="loss", loss_per_token=True)
+    for la in layers:
+        before, after, m = seen[(la, "in")][0], seen[(la, "out")][0], masks[la]
+        assert (after[m] == 0).all()
+        assert torch.equal(after[~m], before[~m])  # kept attention is not renormalised
+        if mode == "comprehensiveness":  # the top source carries >= 1/(i+1): renormalising could not hide
+            assert float((before * m).sum(-1).min()) >= 1 / 24 - 1e-6
+            assert float(after.sum(-1)[:, 1:].max()) < 0.99
+    torch.testing.assert_close(seen[(2, "in")], cache[names[0]], rtol=0, atol=0)  # nothing before layer 2
+    # layer 5 sees the masked stream of layer 2 but is masked by its clean ranking (no re-ranking)
+    assert not torch.allclose(seen[(5, "in")], cache[names[1]])
+
+    def plain(p, hook, m):  # type: ignore[no-untyped-def]
+        return p.masked_fill(m[None], 0.0)
+
+    with torch.no_grad():
+        ref = smollm2.run_with_hooks(
+            tokens,
+            fwd_hooks=[(n, partial(plain, m=masks[la])) for la, n in zip(layers, names, strict=True)],
+            return_type="loss",
+            loss_per_token=True,
+        )
+        clean = smollm2(tokens, return_type="loss", loss_per_token=True)
+    torch.testing.assert_close(loss, ref, rtol=1e-5, atol=1e-5)
+    assert float((loss - clean).abs().max()) > 1e-2
+    assert not has_hooks(smollm2)
+
+
 def test_smollm2_curves_rank_metrics_above_random(smollm2, smollm2_windows) -> None:
     tokens = smollm2_windows[:2, :64]
     frame = fa.perplexity_curves(

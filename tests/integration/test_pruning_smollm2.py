@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from mechgeom.data import load_task
-from mechgeom.evaluation import perplexity, text_nll
+from mechgeom.evaluation import perplexity
 from mechgeom.hooks import has_hooks
 from mechgeom.pruning import (
     head_ablation_hooks,
@@ -23,16 +23,56 @@ from mechgeom.pruning import (
 pytestmark = pytest.mark.integration
 
 
+def _plain_nll(model, tokens, layer=None, head=None, fill=None):  # type: ignore[no-untyped-def]
+    """Per-text mean next-token NLL from plain TransformerLens calls; with ``layer``/``head``, a hook
+    written here sets ``z[:, :, head]`` of that layer to ``fill`` (zeros when None) at every position."""
+
+    def remove(z, hook):  # type: ignore[no-untyped-def]
+        # z: [batch pos head_index d_head]
+        z = z.clone()
+        z[:, :, head] = 0.0 if fill is None else fill.to(z.dtype)
+        return z
+
+    hooks = [] if layer is None else [(f"blocks.{layer}.attn.hook_z", remove)]
+    with torch.no_grad():
+        loss = model.run_with_hooks(tokens, return_type="loss", loss_per_token=True, fwd_hooks=hooks)
+    return loss.float().mean(dim=-1)
+
+
 def test_fast_sweep_equals_full_forward(smollm2, smollm2_windows):
     toks = smollm2_windows[:2]
     heads = [(0, 0), (0, 4), (14, 3), (29, 8)]
     fast = single_head_sweep(smollm2, toks, heads=heads, start_at_layer=True)
-    torch.testing.assert_close(fast.clean_nll, text_nll(smollm2, toks))
+    torch.testing.assert_close(fast.clean_nll, _plain_nll(smollm2, toks))
     for layer, h in heads:
-        full = text_nll(smollm2, toks, head_ablation_hooks(smollm2, [(layer, h)]))
+        full = _plain_nll(smollm2, toks, layer, h)
         torch.testing.assert_close(fast.nll[layer, h], full, atol=1e-4, rtol=1e-5)
+        # removing a neighbour of the named head (same layer) gives a different loss: the check is sharp
+        other = _plain_nll(smollm2, toks, layer, (h + 1) % 9)
+        assert float((fast.nll[layer, h] - other).abs().max()) > 1e-3
     assert torch.isnan(fast.nll[1]).all()  # heads not asked for stay NaN
     assert (fast.delta_ppl[0, 0] != 0).item()
+    assert not has_hooks(smollm2)
+
+
+def test_fast_sweep_mean_mode_equals_full_forward(smollm2, smollm2_windows):
+    """Mean ablation: ``z[:, :, h]`` replaced by a mean computed here from a plain cache of other texts."""
+    toks, ref = smollm2_windows[:2], smollm2_windows[2:]
+    with torch.no_grad():
+        _, cache = smollm2.run_with_cache(ref, names_filter=lambda n: n.endswith("attn.hook_z"))
+    z_mean = torch.stack([cache[f"blocks.{la}.attn.hook_z"].double().mean(dim=(0, 1)) for la in range(30)])
+    assert z_mean.shape == (30, 9, 64)
+    z_mean = z_mean.float()
+    heads = [(0, 4), (14, 3), (29, 8)]
+    for start_at_layer in (True, False):
+        fast = single_head_sweep(
+            smollm2, toks, heads=heads, mode="mean", means=z_mean, start_at_layer=start_at_layer
+        )
+        for layer, h in heads:
+            full = _plain_nll(smollm2, toks, layer, h, z_mean[layer, h])
+            torch.testing.assert_close(fast.nll[layer, h], full, atol=1e-4, rtol=1e-5)
+            zeroed = _plain_nll(smollm2, toks, layer, h)
+            assert float((fast.nll[layer, h] - zeroed).abs().max()) > 1e-4  # mean is not zero ablation
     assert not has_hooks(smollm2)
 
 

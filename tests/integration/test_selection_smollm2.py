@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from mechgeom.hooks import expand_kv, has_hooks
+from mechgeom.hooks import has_hooks
 from mechgeom.selection import token_selection, token_selection_from_cache
 from mechgeom.taxonomy import classify_heads, classify_heads_from_cache, regime_summary
 
@@ -41,23 +41,41 @@ def test_certificate_and_bound_hold_on_every_head(selection) -> None:  # type: i
     assert (params.rho > 0).all() and (params.mu <= 1 + 1e-6).all()
 
 
+def gqa_values(model, cache, layer: int) -> torch.Tensor:  # type: ignore[no-untyped-def]
+    """``v`` of every query head, ``[batch, pos, head, d_head]`` float64, written from the config: query head
+    ``h`` reads KV head ``h // (n_heads // n_key_value_heads)``. Pinned to TransformerLens' own ``hook_z``."""
+    n_heads, n_kv = int(model.cfg.n_heads), int(model.cfg.n_key_value_heads)
+    assert (n_heads, n_kv) == (9, 3)
+    kv_of = torch.tensor([h // (n_heads // n_kv) for h in range(n_heads)])
+    assert kv_of.tolist() == [0, 0, 0, 1, 1, 1, 2, 2, 2]
+    v = cache[f"blocks.{layer}.attn.hook_v"].double()[:, :, kv_of]
+    pat = cache[f"blocks.{layer}.attn.hook_pattern"].double()
+    z = torch.einsum("bhqk,bkhd->bqhd", pat, v)
+    torch.testing.assert_close(z, cache[f"blocks.{layer}.attn.hook_z"].double(), atol=1e-5, rtol=1e-4)
+    return v
+
+
 def test_real_head_matches_bruteforce(smollm2, short, selection) -> None:  # type: ignore[no-untyped-def]
-    layer, head, queries = 3, 4, [10, 30, 47]
+    layer, queries = 3, [10, 30, 47]
     _, cache = smollm2.run_with_cache(short[:1], names_filter=lambda n: n.startswith(f"blocks.{layer}.attn"))
-    pat = cache[f"blocks.{layer}.attn.hook_pattern"][0, head].double()
-    v = expand_kv(cache[f"blocks.{layer}.attn.hook_v"], 9)[0, :, head].double()
-    for t, n in enumerate(selection.ns[:4]):
-        for i in queries:
-            top = sorted(range(i + 1), key=lambda j: (-pat[i, j].item(), j))[:n]
-            y = pat[i, : i + 1, None] * v[: i + 1]
-            s = y[top].sum(0)
-            d = (y - s).norm(dim=-1).tolist()
-            best = 0.0
-            for r in d:
-                tp = sum(1 for j in top if d[j] <= r)
-                size = sum(1 for x in d if x <= r)
-                best = max(best, 2 * tp / (n + size))
-            assert selection.per_query["f_top"][0, layer, head, i, t].item() == pytest.approx(best, abs=1e-4)
+    v_all = gqa_values(smollm2, cache, layer)[0]
+    # heads 2, 4 and 7 read KV heads 0, 1, 2; a tiled mapping (h % 3) would give 2, 1, 1
+    for head in (2, 4, 7):
+        pat = cache[f"blocks.{layer}.attn.hook_pattern"][0, head].double()
+        v = v_all[:, head]
+        for t, n in enumerate(selection.ns[:4]):
+            for i in queries:
+                top = sorted(range(i + 1), key=lambda j: (-pat[i, j].item(), j))[:n]
+                y = pat[i, : i + 1, None] * v[: i + 1]
+                s = y[top].sum(0)
+                d = (y - s).norm(dim=-1).tolist()
+                best = 0.0
+                for r in d:
+                    tp = sum(1 for j in top if d[j] <= r)
+                    size = sum(1 for x in d if x <= r)
+                    best = max(best, 2 * tp / (n + size))
+                got = selection.per_query["f_top"][0, layer, head, i, t].item()
+                assert got == pytest.approx(best, abs=1e-4), (head, n, i)
 
 
 def test_projected_space_on_real_layer(smollm2, short) -> None:  # type: ignore[no-untyped-def]

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from mechgeom.hooks import LayerCollector, expand_kv, hook_name, run_hooks
+from mechgeom.hooks import LayerCollector, hook_name, run_hooks
 from mechgeom.sinks import (
     SinkResult,
     affected_heads,
@@ -34,8 +34,14 @@ def test_statistics_match_reference_smollm2(smollm2, smollm2_windows):
     with torch.no_grad():
         _, cache = smollm2.run_with_cache(tokens, names_filter=names, stop_at_layer=layer + 1)
     pattern = cache[names[0]][0].double()
-    v = expand_kv(cache[names[1]], smollm2.cfg.n_heads)[0].double()
+    # GQA written from the config: query head h reads KV head h // (n_heads // n_key_value_heads)
+    n_heads, n_kv = int(smollm2.cfg.n_heads), int(smollm2.cfg.n_key_value_heads)
+    kv_of = torch.tensor([h // (n_heads // n_kv) for h in range(n_heads)])
+    assert kv_of.tolist() == [0, 0, 0, 1, 1, 1, 2, 2, 2]
+    v = cache[names[1]][0].double()[:, kv_of]  # [k head d_head]
     z = cache[names[2]][0].double()
+    # the mapping is TransformerLens' own: z[i,h] = sum_j pattern[h,i,j] v[j,h] reproduces hook_z
+    torch.testing.assert_close(torch.einsum("hqk,khd->qhd", pattern, v), z, atol=1e-5, rtol=1e-4)
     W_O = smollm2.W_O[layer].detach().double()
     s_star = res.s_star()
     shares = res.factor_shares()[0]

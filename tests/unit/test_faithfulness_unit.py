@@ -478,3 +478,33 @@ def test_plot_curves_writes_two_panels(tmp_path) -> None:
         fa.plot_curves(frame, yscale="logit")
     with pytest.raises(ValueError, match=r"png or \.svg"):
         fa.plot_curves(frame, tmp_path / "c.pdf")
+
+
+def test_plot_curves_draws_the_table() -> None:
+    """The drawn lines and bands carry the table's numbers: x = rate, y = the column, band = ci_low..ci_high."""
+    rows = []
+    for mode in ("comprehensiveness", "sufficiency"):
+        for m, metric in enumerate(("contribution", "random")):
+            for r, rate in enumerate((0.5, 0.0, 0.9)):  # unsorted on purpose
+                y = 10.0 * (m + 1) * rate + (0.25 if mode == "sufficiency" else 0.0) + r
+                row = {"metric": metric, "mode": mode, "rate": rate, "delta_ppl": y, "delta_nll": -y}
+                rows.append({**row, "ci_low": y - 0.5 - r, "ci_high": y + 1.0 + r})
+    frame = pd.DataFrame(rows)
+    for column in ("delta_ppl", "delta_nll"):
+        fig = fa.plot_curves(frame, y=column)
+        for ax, mode in zip(fig.axes, ("comprehensiveness", "sufficiency"), strict=True):
+            assert ax.get_title().startswith(mode)
+            lines = [ln for ln in ax.get_lines() if ln.get_label() in ("contribution", "random")]
+            assert [ln.get_label() for ln in lines] == ["contribution", "random"]
+            assert len(ax.collections) == 2
+            for line, band, metric in zip(lines, ax.collections, ("contribution", "random"), strict=True):
+                want = frame[(frame["mode"] == mode) & (frame["metric"] == metric)].sort_values("rate")
+                np.testing.assert_allclose(line.get_xdata(), want["rate"].to_numpy())
+                np.testing.assert_allclose(line.get_ydata(), want[column].to_numpy())
+                verts = {tuple(np.round(v, 9)) for v in band.get_paths()[0].vertices}
+                for rate, lo, hi in zip(want["rate"], want["ci_low"], want["ci_high"], strict=True):
+                    assert (round(rate, 9), round(lo, 9)) in verts and (round(rate, 9), round(hi, 9)) in verts
+                ys = band.get_paths()[0].vertices[:, 1]
+                assert ys.min() == pytest.approx(want["ci_low"].min())
+                assert ys.max() == pytest.approx(want["ci_high"].max())
+            assert [ln.get_ydata()[0] for ln in ax.get_lines() if ln not in lines] == [0]  # the zero line

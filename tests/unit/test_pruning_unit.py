@@ -10,7 +10,7 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
-from conftest import make_tiny, random_tokens
+from conftest import make_tiny, needs_hooked, random_tokens
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -261,6 +261,7 @@ def test_head_stats_norm_and_entropy_bruteforce():
     assert list(frame.columns) == ["layer", "head", "out_norm", "entropy"] and len(frame) == 8
 
 
+@needs_hooked  # reads HookedTransformer's per-KV-head attn._W_V
 def test_weight_magnitude_order_on_gqa():
     model = make_tiny(n_kv=2, n_heads=4, n_layers=3, seed=7)
     attn = model.blocks[0].attn
@@ -394,6 +395,7 @@ def test_sweep_start_at_layer_equals_full_forward(mode):
     assert (fast.delta_ppl != 0).any()
 
 
+@needs_hooked  # counts calls of the start_at_layer path, which only a HookedTransformer takes
 def test_sweep_checkpoint_resumes(tmp_path, monkeypatch):
     model = make_tiny(n_layers=2, seed=3)
     toks = random_tokens(2, 8, seed=1)
@@ -463,6 +465,45 @@ def test_retention_curve_matches_direct_perplexity(tmp_path, monkeypatch):
     assert len(summary) == 4 and summary["mean_delta_ppl"].notna().all()
     png = plot_retention(first.to_frame(), tmp_path / "fig.png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plot_retention_draws_the_frame(tmp_path, monkeypatch):
+    """Each panel's lines carry the frame's numbers: x = retention in %, y = PPL (corpus) or accuracy (task)."""
+    import matplotlib.figure
+
+    drawn: list[matplotlib.figure.Figure] = []
+    save = matplotlib.figure.Figure.savefig
+
+    def keep(self, *args, **kwargs):
+        drawn.append(self)
+        return save(self, *args, **kwargs)
+
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", keep)
+    rows = []
+    for o, order in enumerate(("magnitude", "random")):
+        for retention in (0.5, 1.0, 0.2):  # unsorted on purpose
+            kept = round(10 * retention)
+            base = {"order": order, "retention": retention, "n_heads_kept": kept}
+            rows.append(
+                {**base, "corpus": "wiki", "ppl": 20.0 + 100 * (1 - retention) * (o + 1), "accuracy": np.nan}
+            )
+            rows.append(
+                {**base, "corpus": "boolq", "ppl": np.nan, "accuracy": 0.8 - 0.3 * (1 - retention) * (o + 1)}
+            )
+    frame = pd.DataFrame(rows)
+    png = plot_retention(frame, tmp_path / "r.png", title="t")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert len(drawn) == 1
+    axes = drawn[0].axes
+    assert [ax.get_title() for ax in axes] == ["wiki", "boolq"]
+    assert axes[0].get_yscale() == "log" and axes[1].get_yscale() == "linear"
+    for ax, corpus, column in zip(axes, ("wiki", "boolq"), ("ppl", "accuracy"), strict=True):
+        assert ax.xaxis_inverted()
+        assert [ln.get_label() for ln in ax.get_lines()] == ["magnitude", "random"]
+        for line, order in zip(ax.get_lines(), ("magnitude", "random"), strict=True):
+            want = frame[(frame["corpus"] == corpus) & (frame["order"] == order)].sort_values("retention")
+            np.testing.assert_allclose(line.get_xdata(), want["retention"].to_numpy() * 100)
+            np.testing.assert_allclose(line.get_ydata(), want[column].to_numpy())
 
 
 # --------------------------------------------------------------------------- downstream scoring

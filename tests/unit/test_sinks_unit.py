@@ -495,19 +495,78 @@ def test_plots_draw_the_results():
     model = make_tiny(n_kv=2)
     tokens = random_tokens(2, 10)
     res: SinkResult = sink_statistics(model, tokens)
+    heads = [(li, h) for li in range(2) for h in range(4)]  # the rows drawn, layer-major
+    rate = [float(res.sink_rate[:, li, h].nanmean()) for li, h in heads]
     fig = plot_rate_vs_ratio(res)
     assert fig.axes[0].collections[0].get_offsets().shape == (8, 2)
+    ratio = [float(res.norm_ratio_vt[:, li, h, 0].nanmean()) for li, h in heads]
+    np.testing.assert_allclose(fig.axes[0].collections[0].get_offsets(), np.c_[rate, ratio], rtol=1e-6)
+    assert np.asarray(fig.axes[0].collections[0].get_array()).tolist() == [li for li, _ in heads]
+    assert fig.axes[0].get_yscale() == "log"
     assert _png_size(fig) < 300_000
+    fig = plot_rate_vs_ratio(res, space="v")
+    ratio_v = [float(res.norm_ratio_v[:, li, h, 0].nanmean()) for li, h in heads]
+    np.testing.assert_allclose(fig.axes[0].collections[0].get_offsets(), np.c_[rate, ratio_v], rtol=1e-6)
+    _png_size(fig)
+
     meas = convexity_by_intervention(model, tokens, [0.0, 0.5, 1.0], layer=1, heads=0)
-    fig = plot_convexity_curves(
-        res, [(0, 1), (1, 0)], measured={(1, 0): ([0.0, 0.5, 1.0], meas[:, 0, 0])}, n_queries=3
-    )
+    measured = {(1, 0): ([0.0, 0.5, 1.0], meas[:, 0, 0])}
+    fig = plot_convexity_curves(res, [(0, 1), (1, 0)], measured=measured, n_queries=3)
     assert len(fig.axes) == 2 and len(fig.axes[1].lines) == 3 * 4
     assert _png_size(fig) < 300_000
+    # queries with a finite sink mass are 1..9; three evenly spaced ones are drawn: 1, 5, 9
+    assert torch.isfinite(res.sink_mass[0, 0, 0]).nonzero().flatten().tolist() == list(range(1, 10))
+    grid = np.linspace(0, 1, 51)
+    clipped = 0
+    for drawn_heads in ([(0, 1), (1, 0)], [(0, 3), (1, 1)]):  # the second pair has s* < 0 (drawn at 0)
+        fig = plot_convexity_curves(res, drawn_heads, measured=measured, n_queries=3)
+        for ax, (layer, head) in zip(fig.axes, drawn_heads, strict=True):
+            per_query = 4 if (layer, head) == (1, 0) else 3
+            assert len(ax.lines) == 3 * per_query
+            for k, q in enumerate([1, 5, 9]):
+                a, x, c = (float(t[0, layer, head, q]) for t in (res.sq_sink, res.cross, res.sq_mean))
+
+                def norm(s: float, a: float = a, x: float = x, c: float = c) -> float:
+                    return math.sqrt(s * s * a + 2 * s * (1 - s) * x + (1 - s) ** 2 * c) / math.sqrt(c)
+
+                lines = ax.lines[k * per_query : (k + 1) * per_query]
+                np.testing.assert_allclose(lines[0].get_xdata(), grid, atol=1e-12)
+                np.testing.assert_allclose(lines[0].get_ydata(), [norm(s) for s in grid], rtol=1e-6)
+                s_i = float(res.sink_mass[0, layer, head, q])
+                s_star = (c - x) / (a - 2 * x + c)
+                clipped += not 0 <= s_star <= 1
+                s_star = min(max(s_star, 0.0), 1.0)
+                for line, s_pt, marker in ((lines[1], s_i, "o"), (lines[2], s_star, "x")):
+                    assert line.get_marker() == marker
+                    np.testing.assert_allclose(line.get_xdata(), [s_pt], rtol=1e-6, atol=1e-12)
+                    np.testing.assert_allclose(line.get_ydata(), [norm(s_pt)], rtol=1e-5)
+                if per_query == 4:  # the intervention's measured norms, over the same reference ‖m‖
+                    np.testing.assert_allclose(lines[3].get_xdata(), [0.0, 0.5, 1.0])
+                    want = meas[:, 0, 0, q].double().numpy() / math.sqrt(c)
+                    np.testing.assert_allclose(lines[3].get_ydata(), want, rtol=1e-5)
+        _png_size(fig)
+    assert clipped >= 2
+
     fig = plot_sink_rate_vs_s_star(res)
     assert fig.axes[0].collections[0].get_offsets().shape == (8, 2)
+    med = []
+    for li, h in heads:  # median over texts and queries of s*; the lower middle value (torch.nanmedian)
+        a, x, c = (t[:, li, h].flatten().double() for t in (res.sq_sink, res.cross, res.sq_mean))
+        vals = sorted(v for v in ((c - x) / (a - 2 * x + c)).tolist() if math.isfinite(v))
+        med.append(vals[(len(vals) - 1) // 2])
+    np.testing.assert_allclose(fig.axes[0].collections[0].get_offsets(), np.c_[med, rate], rtol=1e-5)
     _png_size(fig)
+
     abl = sink_ablation(model, tokens, layers=[0, 1], heads=[0])
     fig = plot_cone_shift(abl)
     assert [c.get_offsets().shape[0] for c in fig.axes[0].collections] == [4, 4]
+    assert abl.affected_heads == [0, 1]  # KV head 0 serves query heads 0 and 1
+
+    def cone(cond: str) -> list[float]:
+        return [float(abl.cone_cos[cond][:, layer, h].nanmean()) for layer in (0, 1) for h in (0, 1)]
+
+    control, sink = fig.axes[0].collections
+    np.testing.assert_allclose(control.get_offsets(), np.c_[cone("clean"), cone("control")], rtol=1e-6)
+    np.testing.assert_allclose(sink.get_offsets(), np.c_[cone("clean"), cone("sink")], rtol=1e-6)
+    assert not np.allclose(cone("sink"), cone("control"))
     _png_size(fig)

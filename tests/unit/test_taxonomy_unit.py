@@ -13,6 +13,7 @@ import torch
 from conftest import make_tiny, random_tokens
 
 from mechgeom.hooks import expand_kv, has_hooks
+from mechgeom.pruning import taxonomy_order
 from mechgeom.taxonomy import (
     LABELS,
     TABLE_COLUMNS,
@@ -209,6 +210,65 @@ def test_regime_grid_figure_colours_each_head() -> None:
     import matplotlib.pyplot as plt
 
     plt.close(fig)
+
+
+def test_regime_grid_draws_each_head_at_its_layer_and_head() -> None:
+    """Non-contiguous layers, shuffled rows, a head missing: cell [row of layer, head] = index of its label."""
+    cells = {
+        (0, 0): "Mixer",
+        (0, 2): "Reset",
+        (3, 1): "Retriever",
+        (3, 2): "Mixer",
+        (7, 0): "Reset",
+        (7, 1): "Mixer",
+    }
+    cells[(0, 1)] = "Retriever"
+    order = [(3, 2), (7, 1), (0, 1), (7, 0), (0, 2), (3, 1), (0, 0)]
+    table = pd.DataFrame(
+        {
+            "layer": [la for la, _ in order],
+            "head": [h for _, h in order],
+            "label": [cells[lh] for lh in order],
+        }
+    )
+    fig = plot_regime_grid(table)
+    ax = fig.axes[0]
+    img = np.ma.filled(np.ma.masked_invalid(np.asarray(ax.images[0].get_array(), dtype=float)), -1.0)
+    want = np.full((3, 3), -1.0)  # rows: layers 0, 3, 7; (3, 0) and (7, 2) are not in the table
+    for (la, h), lab in cells.items():
+        want[[0, 3, 7].index(la), h] = LABELS.index(lab)
+    np.testing.assert_array_equal(img, want)
+    assert [t.get_text() for t in ax.get_yticklabels()] == ["0", "3", "7"]
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+
+
+def test_taxonomy_order_breaks_exact_ties_by_layer_then_head() -> None:
+    """Documented: Reset, Mixer, Retriever; ascending norm inside a regime; exact ties by ``(layer, head)``.
+
+    Tied rows are listed in the reverse of that order, and inside the Reset tie ``(layer, head)`` and
+    ``(head, layer)`` disagree, so ignoring, reversing or swapping the tie-break all change the answer."""
+    rows = [  # (layer, head, label, norm)
+        (1, 1, "Retriever", 0.2),
+        (2, 1, "Mixer", 1.0),
+        (1, 2, "Reset", 0.5),
+        (0, 1, "Retriever", 0.2),
+        (2, 0, "Mixer", 1.0),
+        (1, 0, "Reset", 0.5),
+        (2, 2, "Reset", 0.1),
+        (0, 0, "Mixer", 1.0),
+        (0, 2, "Reset", 0.5),
+    ]
+    table = pd.DataFrame(rows, columns=["layer", "head", "label", "out_norm"])
+    expected = [(2, 2), (0, 2), (1, 0), (1, 2), (0, 0), (2, 0), (2, 1), (0, 1), (1, 1)]
+    assert taxonomy_order(table) == expected
+    assert taxonomy_order(table.iloc[::-1].reset_index(drop=True)) == expected  # row order must not matter
+    norms = torch.zeros(3, 3)
+    for layer, head, _, norm in rows:
+        norms[layer, head] = norm
+    assert taxonomy_order(table.drop(columns="out_norm"), norms) == expected
+    assert taxonomy_order(table.drop(columns="out_norm"), norms.numpy()) == expected
 
 
 def test_bad_input_errors() -> None:
