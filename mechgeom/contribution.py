@@ -57,6 +57,7 @@ from mechgeom.hooks import (
     LayerCollector,
     check_indices,
     head_outputs,
+    modified_pairs,
     run_hooks,
     to_tokens,
 )
@@ -564,10 +565,7 @@ class ContributionResult:
     @property
     def modified_heads(self) -> list[tuple[int, int]]:
         """``(layer, head)`` pairs whose ``z`` was changed by an earlier hook at some query of some text."""
-        if self.modified is None:
-            return []
-        hit = self.modified.any(dim=3).any(dim=0)  # [layer head]
-        return [(self.layers[int(li)], int(h)) for li, h in hit.nonzero().tolist()]
+        return modified_pairs(self.modified, self.layers)
 
     @property
     def shape(self) -> tuple[int, int, int]:

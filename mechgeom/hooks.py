@@ -40,6 +40,7 @@ __all__ = [
     "layer_W_O",
     "layer_b_O",
     "modified_mask",
+    "modified_pairs",
     "resolve_heads",
     "resolve_layers",
     "run_hooks",
@@ -282,6 +283,22 @@ def modified_mask(
     z_h = einops.rearrange(z, "b q h d -> b h q d").to(mixed.dtype)
     scale = einops.einsum(pattern, v.norm(dim=-1).to(pattern.dtype), "b h q k, b k h -> b h q")
     return (z_h - mixed).norm(dim=-1) > tol * (scale + z_h.norm(dim=-1))
+
+
+def modified_pairs(
+    modified: Bool[Tensor, "batch layer head_index query_pos"] | None, layers: Sequence[int]
+) -> list[tuple[int, int]]:
+    """The ``(layer, head)`` pairs marked at some text and query of a result's ``modified`` mask.
+
+    >>> m = torch.zeros(1, 2, 3, 4, dtype=torch.bool)
+    >>> m[0, 1, 2, 3] = True
+    >>> modified_pairs(m, [5, 7])
+    [(7, 2)]
+    """
+    if modified is None:
+        return []
+    hit = modified.any(dim=3).any(dim=0)  # [layer head]
+    return [(int(layers[li]), int(h)) for li, h in hit.nonzero().tolist()]
 
 
 def head_outputs(z: Z, W_O: WO) -> HeadOut:

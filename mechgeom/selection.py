@@ -44,7 +44,7 @@ import pandas as pd
 import torch
 
 from mechgeom._progress import progress
-from mechgeom.hooks import FwdHook, LayerActivations, LayerCollector, run_hooks, to_tokens
+from mechgeom.hooks import FwdHook, LayerActivations, LayerCollector, modified_pairs, run_hooks, to_tokens
 from mechgeom.typing import WO, Bool, Float, Int, Pattern, Tensor, Tokens, Values
 
 __all__ = [
@@ -684,10 +684,7 @@ class SelectionResult:
     @property
     def modified_heads(self) -> list[tuple[int, int]]:
         """``(layer, head)`` pairs whose ``z`` an earlier hook changed at some analysed query."""
-        if self.modified is None:
-            return []
-        hit = self.modified.any(dim=3).any(dim=0)
-        return [(self.layers[int(li)], int(h)) for li, h in hit.nonzero().tolist()]
+        return modified_pairs(self.modified, self.layers)
 
     def to_frame(self, *, tol: float = 1e-6) -> pd.DataFrame:
         """One row per ``(layer, head, N)``; means over the batch and the queries where defined.

@@ -58,6 +58,7 @@ from mechgeom.hooks import (
     LayerCollector,
     check_indices,
     hook_name,
+    modified_pairs,
     resolve_heads,
     resolve_layers,
     run_hooks,
@@ -393,10 +394,7 @@ class SinkResult:
     @property
     def modified_heads(self) -> list[tuple[int, int]]:
         """``(layer, head)`` pairs whose ``z`` an earlier hook changed at some query of some text."""
-        if self.modified is None:
-            return []
-        hit = self.modified.any(dim=3).any(dim=0)
-        return [(self.layers[int(li)], int(h)) for li, h in hit.nonzero().tolist()]
+        return modified_pairs(self.modified, self.layers)
 
     @property
     def n_heads(self) -> int:

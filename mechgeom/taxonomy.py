@@ -30,7 +30,15 @@ import pandas as pd
 import torch
 
 from mechgeom._progress import progress
-from mechgeom.hooks import FwdHook, LayerActivations, LayerCollector, head_outputs, run_hooks, to_tokens
+from mechgeom.hooks import (
+    FwdHook,
+    LayerActivations,
+    LayerCollector,
+    head_outputs,
+    modified_pairs,
+    run_hooks,
+    to_tokens,
+)
 from mechgeom.typing import WO, Bool, Float, Int, Pattern, Tensor, Values, Z
 
 __all__ = [
@@ -221,9 +229,7 @@ class TaxonomyResult:
     def modified_heads(self) -> list[tuple[int, int]]:
         """``(layer, head)`` pairs whose ``z`` an earlier hook changed at some analysed query."""
         n_mod = self.sums.get("n_modified")
-        if n_mod is None:
-            return []
-        return [(self.layers[int(li)], int(h)) for li, h in (n_mod > 0).nonzero().tolist()]
+        return [] if n_mod is None else modified_pairs((n_mod > 0)[None, :, :, None], self.layers)
 
     def to_frame(self) -> pd.DataFrame:
         """One row per head: ``layer, head, label, f_cur, f_sink, f_other, sink_rate, cos_out_sink,

@@ -47,21 +47,7 @@ def make_tiny(
     A ``HookedTransformer`` on TransformerLens 3.x, a ``TransformerBridge.boot_native`` model on 4.x (same
     config, same hook names; different random draws, so tests compare with references, not constants).
     """
-    if not HAS_HOOKED:
-        return _make_tiny_bridge(
-            n_layers=n_layers,
-            n_heads=n_heads,
-            d_head=d_head,
-            d_model=d_model,
-            n_kv=n_kv,
-            attn_only=attn_only,
-            b_O=b_O,
-            n_ctx=n_ctx,
-            d_vocab=d_vocab,
-            seed=seed,
-            normalization_type=normalization_type,
-        )
-    cfg = HookedTransformerConfig(
+    cfg_kwargs = dict(
         n_layers=n_layers,
         d_model=d_model,
         n_ctx=n_ctx,
@@ -78,7 +64,9 @@ def make_tiny(
         dtype=torch.float32,
         device="cpu",
     )
-    model = HookedTransformer(cfg)
+    if not HAS_HOOKED:
+        return _make_tiny_bridge(cfg_kwargs, b_O=b_O, seed=seed)
+    model = HookedTransformer(HookedTransformerConfig(**cfg_kwargs))
     g = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for block in model.blocks:
@@ -93,40 +81,11 @@ def make_tiny(
     return model
 
 
-def _make_tiny_bridge(
-    *,
-    n_layers: int,
-    n_heads: int,
-    d_head: int,
-    d_model: int,
-    n_kv: int | None,
-    attn_only: bool,
-    b_O: bool,
-    n_ctx: int,
-    d_vocab: int,
-    seed: int,
-    normalization_type: str | None,
-) -> object:
+def _make_tiny_bridge(cfg_kwargs: dict, *, b_O: bool, seed: int) -> object:
     from transformer_lens.config import TransformerBridgeConfig
     from transformer_lens.model_bridge import TransformerBridge
 
-    cfg = TransformerBridgeConfig(
-        n_layers=n_layers,
-        d_model=d_model,
-        n_ctx=n_ctx,
-        d_head=d_head,
-        n_heads=n_heads,
-        d_mlp=None if attn_only else 4 * d_model,
-        d_vocab=d_vocab,
-        act_fn=None if attn_only else "gelu",
-        attn_only=attn_only,
-        n_key_value_heads=n_kv,
-        normalization_type=normalization_type,
-        seed=seed,
-        init_weights=True,
-        dtype=torch.float32,
-        device="cpu",
-    )
+    cfg = TransformerBridgeConfig(**cfg_kwargs)
     model = TransformerBridge.boot_native(cfg)
     g = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
