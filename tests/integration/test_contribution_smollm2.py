@@ -139,10 +139,19 @@ def test_collector_with_transformer_lens_patching_hooks(smollm2) -> None:
     with torch.no_grad(), smollm2.hooks(fwd_hooks=patches, reset_hooks_end=True):
         _, patched = smollm2.run_with_cache(corrupted, names_filter=lambda n: "attn.hook_" in n)
     ref = contribution_weights_from_cache(smollm2, patched, layers=layers, tokens=corrupted)
+    # the z patch of (2, 4) makes that head "modified" (SPEC §A) exactly where the clean z differs from the
+    # corrupted one, i.e. from the first differing token on; its per-source metrics are NaN there, on both paths
+    first_diff = int((clean[0] != corrupted[0]).nonzero()[0])
+    expected = torch.zeros_like(res.modified)
+    expected[:, 0, 4, first_diff:] = True
+    assert torch.equal(res.modified, expected) and torch.equal(ref.modified, expected)
+    assert res.intra["contribution"][:, 0, 4, first_diff:].isnan().any(-1).all()
     for name in INTRA_METRICS:
-        torch.testing.assert_close(res.intra[name], ref.intra[name], atol=1e-6, rtol=0)
+        torch.testing.assert_close(res.intra[name], ref.intra[name], atol=1e-6, rtol=0, equal_nan=True)
     for name in INTER_METRICS:
-        torch.testing.assert_close(res.inter[name], ref.inter[name], atol=1e-6, rtol=0)
+        torch.testing.assert_close(res.inter[name], ref.inter[name], atol=1e-6, rtol=0, equal_nan=True)
+    sums = res.inter["contribution"].sum(-1) + res.modified_share.sum(2)
+    torch.testing.assert_close(sums, torch.ones_like(sums), atol=1e-4, rtol=0)
     # layer 5's collector saw the clean pattern of head 1, and layer 9 saw the effect of both patches
     torch.testing.assert_close(
         res.intra["attention"][:, 1, 1], clean_cache["blocks.5.attn.hook_pattern"][:, 1]
