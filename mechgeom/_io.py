@@ -61,14 +61,3 @@ def read_frame(path: str | Path) -> pd.DataFrame:
     """Read a table written by :func:`write_frame`."""
     path = Path(path)
     return pd.read_parquet(path) if path.suffix == ".parquet" else pd.read_csv(path)
-
-
-def save_png(fig: Any, path: str | Path, *, dpi: int = 100) -> Path:
-    """Write a matplotlib figure to ``path`` as PNG through :func:`atomic_write`, then close it."""
-    import matplotlib.pyplot as plt
-
-    path = Path(path)
-    with atomic_write(path, "wb") as f:
-        fig.savefig(f, format="png", dpi=dpi)
-    plt.close(fig)
-    return path

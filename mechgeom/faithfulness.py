@@ -50,7 +50,7 @@ import pandas as pd
 import torch
 from transformer_lens.hook_points import HookPoint
 
-from mechgeom._io import atomic_write, write_frame
+from mechgeom._io import write_frame
 from mechgeom.contribution import INTER_METRICS, INTRA_METRICS, RANKING_METRICS, ContributionCollector
 from mechgeom.evaluation import bootstrap_ci
 from mechgeom.hooks import FwdHook, check_decoder, check_index, hook_name, resolve_layers, to_tokens
@@ -67,7 +67,6 @@ __all__ = [
     "masking_hooks",
     "n_removed",
     "perplexity_curves",
-    "plot_curves",
     "rank_sources",
     "ranked_mask_hook",
     "removal_interval",
@@ -1042,74 +1041,3 @@ def _accuracy_summary(
                         }
                     )
     return pd.DataFrame(rows)
-
-
-# --------------------------------------------------------------------------- figure
-
-
-def plot_curves(
-    frame: pd.DataFrame,
-    path: str | Path | None = None,
-    *,
-    y: str | None = None,
-    task: str | None = None,
-    title: str | None = None,
-    yscale: str | None = None,
-) -> Any:
-    """Comprehensiveness and sufficiency curves side by side: ``y`` vs removal rate, one line per metric,
-    with the bootstrap band (``ci_low``/``ci_high``) shaded.
-
-    ``y`` defaults to ``delta_ppl`` (or ``delta_accuracy`` for a task table; then ``task`` picks the rows,
-    default ``"all"`` or the only task). ``yscale`` defaults to ``"symlog"`` for ``delta_ppl`` (ΔPPL spans
-    orders of magnitude between low and high removal rates; linear below 1) and ``"linear"`` otherwise.
-    Returns the matplotlib ``Figure``; with ``path`` (``.png`` or ``.svg``) it is also saved atomically.
-    """
-    from matplotlib.figure import Figure
-
-    if frame.empty:
-        raise ValueError("empty table: nothing to plot")
-    if y is None:
-        y = "delta_ppl" if "delta_ppl" in frame.columns else "delta_accuracy"
-    if y not in frame.columns:
-        raise ValueError(f"column {y!r} is not in the table; columns are {list(frame.columns)}")
-    if "task" in frame.columns:
-        tasks = list(dict.fromkeys(frame["task"]))
-        pick = task if task is not None else ("all" if "all" in tasks else tasks[0])
-        if pick not in tasks:
-            raise ValueError(f"task {pick!r} is not in the table; tasks are {tasks}")
-        frame = frame[frame["task"] == pick]
-    if path is not None and Path(path).suffix not in (".png", ".svg"):
-        raise ValueError(f"figure path must end in .png or .svg, got {Path(path).name!r}")
-    if yscale is None:
-        yscale = "symlog" if y == "delta_ppl" else "linear"
-    if yscale not in ("linear", "symlog", "log"):
-        raise ValueError(f"yscale must be 'linear', 'symlog' or 'log', got {yscale!r}")
-    fig = Figure(figsize=(9, 3.6), layout="constrained")
-    axes = fig.subplots(1, 2, sharex=True)
-    for ax, mode in zip(axes, MODES, strict=True):
-        sub = frame[frame["mode"] == mode]
-        for metric in dict.fromkeys(sub["metric"]):
-            d = sub[sub["metric"] == metric].sort_values("rate")
-            style = {"color": "grey", "linestyle": "--"} if metric == "random" else {}
-            (line,) = ax.plot(d["rate"], d[y], marker="o", markersize=3, label=metric, **style)
-            if {"ci_low", "ci_high"} <= set(d.columns):
-                ax.fill_between(
-                    d["rate"], d["ci_low"], d["ci_high"], color=line.get_color(), alpha=0.12, lw=0
-                )
-        ax.set_title(f"{mode} ({'higher' if mode == 'comprehensiveness' else 'lower'} = more faithful)")
-        ax.set_xlabel("removal rate")
-        ax.set_ylabel(y.replace("_", " "))
-        ax.axhline(0, color="black", lw=0.5)
-        if yscale == "symlog":
-            ax.set_yscale("symlog", linthresh=1.0)
-        else:
-            ax.set_yscale(yscale)
-        ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=8)
-    if title:
-        fig.suptitle(title)
-    if path is not None:
-        p = Path(path)
-        with atomic_write(p, "wb") as f:
-            fig.savefig(f, format=p.suffix[1:], dpi=100)
-    return fig

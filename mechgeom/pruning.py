@@ -55,7 +55,6 @@ import pandas as pd
 import torch
 from transformer_lens.hook_points import HookPoint
 
-from mechgeom._io import atomic_write
 from mechgeom._progress import progress
 from mechgeom.data import TaskItem
 from mechgeom.evaluation import text_nll
@@ -89,7 +88,6 @@ __all__ = [
     "mad_outliers",
     "magnitude_order",
     "pattern_entropy",
-    "plot_retention",
     "random_order",
     "resolve_head_set",
     "retention_curve",
@@ -961,42 +959,3 @@ class _RetentionWork:
             means=self.means, task=self.task, batch_size=self.batch_size, clean=self._clean,
             verbose=self.verbose,
         )  # fmt: skip
-
-
-def plot_retention(frame: pd.DataFrame, path: str | Path, *, title: str = "") -> Path:
-    """One panel per corpus (PPL, log scale) and per task (accuracy) against retention; PNG, atomic write."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    panels = list(dict.fromkeys(frame["corpus"]))
-    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.4), squeeze=False)
-    for ax, corpus in zip(axes[0], panels, strict=True):
-        sub = frame[frame["corpus"] == corpus]
-        is_task = sub["ppl"].isna().all()
-        for name, grp in sub.groupby("order", sort=False):
-            grp = grp.sort_values("retention")
-            ax.plot(
-                grp["retention"] * 100,
-                grp["accuracy" if is_task else "ppl"],
-                marker="o",
-                ms=3,
-                label=str(name),
-            )
-        ax.set_xlabel("heads kept (%)")
-        ax.set_ylabel("accuracy" if is_task else "perplexity")
-        if not is_task:
-            ax.set_yscale("log")
-        ax.invert_xaxis()
-        ax.set_title(corpus)
-        ax.grid(alpha=0.3)
-    axes[0][0].legend(fontsize=7)
-    if title:
-        fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
-    path = Path(path)
-    with atomic_write(path, "wb") as f:
-        fig.savefig(f, format="png", dpi=80)
-    plt.close(fig)
-    return path

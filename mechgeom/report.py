@@ -597,7 +597,8 @@ def faithfulness_order(frame: pd.DataFrame, claimed: Sequence[str]) -> list[str]
 
 
 def _run_faithfulness(ctx: _Context, p: dict[str, Any]) -> StageOutput:
-    from mechgeom.faithfulness import perplexity_curves, plot_curves
+    from mechgeom.faithfulness import perplexity_curves
+    from mechgeom.viz import plot_curves
 
     partial = ctx.partial_path("faithfulness", ".csv")
     frame = perplexity_curves(
@@ -640,14 +641,12 @@ def _sinks_params(s: ReportSettings) -> dict[str, Any]:
 
 
 def _run_sinks(ctx: _Context, p: dict[str, Any]) -> StageOutput:
-    from mechgeom.sinks import (
-        convexity_by_intervention,
+    from mechgeom.sinks import convexity_by_intervention, sink_ablation, sink_statistics
+    from mechgeom.viz import (
         plot_cone_shift,
         plot_convexity_curves,
         plot_rate_vs_ratio,
         plot_sink_rate_vs_s_star,
-        sink_ablation,
-        sink_statistics,
     )
 
     model, tokens = ctx.model, ctx.tokens[: p["n_texts"]]
@@ -797,7 +796,8 @@ def _taxonomy_params(s: ReportSettings) -> dict[str, Any]:
 
 def _run_taxonomy(ctx: _Context, p: dict[str, Any]) -> StageOutput:
     from mechgeom.data import load_corpus
-    from mechgeom.taxonomy import classify_heads, label_agreement, plot_regime_grid, regime_summary
+    from mechgeom.taxonomy import classify_heads, label_agreement, regime_summary
+    from mechgeom.viz import plot_regime_grid
 
     model, s = ctx.model, ctx.settings
     res = classify_heads(
@@ -858,10 +858,10 @@ def _pruning_params(s: ReportSettings) -> dict[str, Any]:
 
 
 def _run_pruning(ctx: _Context, p: dict[str, Any]) -> StageOutput:
-    import tempfile
 
-    from mechgeom.pruning import head_orders, head_stats, plot_retention, retention_curves, single_head_sweep
+    from mechgeom.pruning import head_orders, head_stats, retention_curves, single_head_sweep
     from mechgeom.taxonomy import classify_heads
+    from mechgeom.viz import plot_retention
 
     model, tokens = ctx.model, ctx.tokens[: p["n_texts"]]
     stats = head_stats(model, tokens, verbose=ctx.verbose)
@@ -902,8 +902,7 @@ def _run_pruning(ctx: _Context, p: dict[str, Any]) -> StageOutput:
         + ", ".join(f"{o} {v:+.3g}" for o, v in zip(summ["order"], summ["mean_delta_ppl"], strict=True))
         + f" ({p['n_texts']} windows, {p['mode']} ablation of hook_z).",
     )
-    with tempfile.TemporaryDirectory() as tmp:
-        png = plot_retention(frame, Path(tmp) / "retention.png", title=ctx.settings.model).read_bytes()
+    png = plot_retention(frame, title=ctx.settings.model)
     for name in ("pruning_single_head", "pruning_curves"):
         ctx.partial_path(name, ".csv").unlink(missing_ok=True)
     return StageOutput(tables=tables, figures={"pruning_retention": png}, summary=lines)

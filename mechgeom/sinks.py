@@ -67,7 +67,7 @@ from mechgeom.hooks import (
 from mechgeom.typing import Bool, Float, Pattern, Tensor, Tokens
 
 if TYPE_CHECKING:
-    from matplotlib.figure import Figure
+    pass
 
 __all__ = [
     "FACTORS",
@@ -84,10 +84,6 @@ __all__ = [
     "factor_moments",
     "factor_shares_from_moments",
     "kv_groups",
-    "plot_cone_shift",
-    "plot_convexity_curves",
-    "plot_rate_vs_ratio",
-    "plot_sink_rate_vs_s_star",
     "random_control_positions",
     "resolve_sinks",
     "sink_ablation",
@@ -1075,114 +1071,3 @@ def sink_ablation(
         cone_cos={c: r[2] for c, r in results.items()},
         model_name=str(getattr(model.cfg, "model_name", "")),
     )
-
-
-# =========================================================================== plotting (draws results only)
-
-
-def _new_axes(ax: Any, figsize: tuple[float, float]) -> tuple[Figure, Any]:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    if ax is not None:
-        return ax.figure, ax
-    fig, ax = plt.subplots(figsize=figsize, dpi=100)
-    return fig, ax
-
-
-def plot_rate_vs_ratio(result: SinkResult, *, space: Literal["v", "vt"] = "vt", ax: Any = None) -> Figure:
-    """Scatter of each head's sink rate against its sink norm ratio (log scale), coloured by layer."""
-    df = result.to_frame()
-    fig, ax = _new_axes(ax, (5.0, 3.8))
-    col = f"norm_ratio_{space}"
-    sc = ax.scatter(df["sink_rate"], df[col], c=df["layer"], cmap="viridis", s=14)
-    ax.set_yscale("log")
-    ax.axhspan(0.1, 1 / 3, color="0.85", zorder=0, label="paper B: 3–10× smaller")
-    ax.axhline(1.0, color="0.5", lw=0.8, ls="--")
-    ax.set_xlabel("sink rate (mean attention mass on the sink)")
-    ax.set_ylabel(f"sink norm ratio ({'value' if space == 'v' else 'projected'} space)")
-    ax.legend(loc="best", fontsize=8)
-    fig.colorbar(sc, ax=ax, label="layer")
-    ax.set_title(result.model_name or "sinks", fontsize=9)
-    fig.tight_layout()
-    return fig
-
-
-def plot_convexity_curves(
-    result: SinkResult,
-    heads: Sequence[tuple[int, int]],
-    *,
-    measured: dict[tuple[int, int], tuple[Sequence[float], Tensor]] | None = None,
-    n_queries: int = 6,
-    text: int = 0,
-) -> Figure:
-    """``‖o(s)‖ / ‖m‖`` against the sink mass ``s`` for a few ``(layer, head)``: thin lines for
-    ``n_queries`` queries of ``text``, the measured sink rate (dot) and ``s*`` (cross) of each.
-    ``measured[(layer, head)] = (s_values, norms [grid, q])`` overlays the intervention's points."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    grid = torch.linspace(0, 1, 51, dtype=torch.float64)
-    fig, axes = plt.subplots(1, len(heads), figsize=(3.0 * len(heads), 2.8), dpi=100, squeeze=False)
-    curve, st = result.norm_curve(grid), result.s_star()
-    q_all = torch.nonzero(torch.isfinite(result.sink_mass[text, 0, 0])).flatten()
-    q_sel = (
-        q_all[torch.linspace(0, len(q_all) - 1, min(n_queries, len(q_all))).long()] if len(q_all) else q_all
-    )
-    for ax, (layer, head) in zip(axes[0], heads, strict=True):
-        li = result.layer_index(layer)
-        for k, q in enumerate(q_sel.tolist()):
-            idx = (text, li, head, q)
-            ref = float(result.sq_mean[idx].sqrt())
-            color = f"C{k % 10}"
-            ax.plot(grid, curve[idx] / ref, color=color, lw=1)
-            for s_pt, marker in ((result.sink_mass[idx], "o"), (st[idx].clamp(0, 1), "x")):
-                y = convex_norm(result.sq_sink[idx], result.cross[idx], result.sq_mean[idx], float(s_pt))
-                ax.plot([float(s_pt)], [float(y) / ref], marker, color=color, ms=4)
-            if measured is not None and (layer, head) in measured:
-                s_vals, norms = measured[(layer, head)]
-                ax.plot(list(s_vals), (norms[:, q] / ref).tolist(), "s", mfc="none", color=color, ms=5)
-        ax.set_title(f"L{layer} H{head}", fontsize=9)
-        ax.set_xlabel("sink mass s")
-    axes[0][0].set_ylabel("‖o(s)‖ / ‖m‖")
-    note = "lines: closed form; dot: measured sink rate; x: s* (clipped to [0, 1])"
-    fig.suptitle(note + ("; squares: intervention" if measured else ""), fontsize=8)
-    fig.tight_layout()
-    return fig
-
-
-def plot_sink_rate_vs_s_star(result: SinkResult, *, ax: Any = None) -> Figure:
-    """Per head: the measured sink rate against the median ``s*`` (diagonal: a head at its norm minimum)."""
-    df = result.to_frame().drop_duplicates(["layer", "head"])
-    fig, ax = _new_axes(ax, (4.2, 3.8))
-    sc = ax.scatter(df["s_star_median"], df["sink_rate"], c=df["layer"], cmap="viridis", s=14)
-    ax.plot([0, 1], [0, 1], color="0.5", lw=0.8, ls="--")
-    ax.set_xlim(-0.05, 1.05)
-    ax.set_ylim(-0.05, 1.05)
-    ax.set_xlabel("median s* (norm-minimising sink mass)")
-    ax.set_ylabel("measured sink rate")
-    fig.colorbar(sc, ax=ax, label="layer")
-    fig.tight_layout()
-    return fig
-
-
-def plot_cone_shift(ablation: SinkAblationResult, *, ax: Any = None) -> Figure:
-    """Per ablated head: ``cos(o, mu)`` clean (x) against ablated (y), sink ablation vs its control."""
-    df = ablation.to_frame()
-    df = df[df["ablated"]]
-    fig, ax = _new_axes(ax, (4.2, 3.8))
-    ax.scatter(
-        df["cone_cos_clean"], df["cone_cos_control"], s=10, color="0.6", label="control (random position)"
-    )
-    ax.scatter(df["cone_cos_clean"], df["cone_cos_sink"], s=10, color="C3", label="sink ablated")
-    ax.plot([-1, 1], [-1, 1], color="0.5", lw=0.8, ls="--")
-    ax.set_xlabel("cos(o, mu) clean")
-    ax.set_ylabel("cos(o, mu) ablated")
-    ax.set_title(f"{ablation.mode} ablation, {len(ablation.layers)} layer(s)", fontsize=9)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    return fig

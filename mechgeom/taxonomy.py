@@ -53,7 +53,6 @@ __all__ = [
     "label_distribution",
     "label_from_fractions",
     "layer_taxonomy",
-    "plot_regime_grid",
     "regime_summary",
     "source_winners",
 ]
@@ -469,41 +468,3 @@ def label_agreement(tables: Mapping[str, pd.DataFrame] | Sequence[pd.DataFrame])
             )
     all_agree = float((aligned.nunique(axis=1) == 1).mean())
     return AgreementResult(pd.DataFrame(rows), all_agree, confusion)
-
-
-def plot_regime_grid(table: pd.DataFrame, *, ax: Any = None, title: str | None = None) -> Any:
-    """A layer × head grid coloured by regime (matplotlib); returns the figure."""
-    import matplotlib.pyplot as plt
-    from matplotlib.colors import ListedColormap
-    from matplotlib.patches import Patch
-
-    _check_table(table)
-    layers = sorted(table["layer"].unique())
-    n_heads = int(table["head"].max()) + 1
-    grid = np.full((len(layers), n_heads), np.nan)
-    li = {la: i for i, la in enumerate(layers)}
-    for la, hd, lab in zip(table["layer"], table["head"], table["label"], strict=True):
-        grid[li[la], int(hd)] = LABELS.index(lab)
-    if ax is None:
-        fig, ax = plt.subplots(figsize=(1.2 + 0.35 * n_heads, 1.0 + 0.22 * len(layers)))
-    else:
-        fig = ax.figure
-    cmap = ListedColormap([REGIME_COLORS[lab] for lab in LABELS])
-    ax.imshow(grid, cmap=cmap, vmin=-0.5, vmax=len(LABELS) - 0.5, aspect="auto", interpolation="nearest")
-    ax.set_xlabel("head")
-    ax.set_ylabel("layer")
-    ax.set_xticks(range(n_heads))
-    ax.set_yticks(range(len(layers)))
-    ax.set_yticklabels([str(la) for la in layers], fontsize=6)
-    ax.tick_params(axis="x", labelsize=6)
-    ax.legend(
-        handles=[Patch(color=REGIME_COLORS[lab], label=lab) for lab in LABELS],
-        loc="upper left",
-        bbox_to_anchor=(1.01, 1.0),
-        fontsize=7,
-        frameon=False,
-    )
-    if title:
-        ax.set_title(title, fontsize=9)
-    fig.tight_layout()
-    return fig

@@ -40,9 +40,9 @@ from mechgeom.faithfulness import (
     FAITHFULNESS_METRICS,
     MODES,
     perplexity_curves,
-    plot_curves,
     task_accuracy_curves,
 )
+from mechgeom.viz import plot_curves
 
 #: Paper A's claimed faithfulness order, least to most faithful.
 PAPER_ORDER = ["attention", "value_weighted", "value_weighted_normalized", "contribution"]

@@ -45,11 +45,11 @@ from mechgeom.pruning import (
     head_ablation_hooks,
     head_orders,
     head_stats,
-    plot_retention,
     retention_curves,
     single_head_sweep,
     weight_magnitude,
 )
+from mechgeom.viz import plot_retention
 
 log = logging.getLogger("run_pruning")
 

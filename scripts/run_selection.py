@@ -31,16 +31,16 @@ import pandas as pd
 import torch
 
 from mechgeom import load_model
-from mechgeom._io import atomic_write, save_png, write_frame
+from mechgeom._io import atomic_write, write_frame
 from mechgeom.data import load_corpus
 from mechgeom.selection import SelectionResult, token_selection
 from mechgeom.taxonomy import (
     classify_heads,
     label_agreement,
     label_distribution,
-    plot_regime_grid,
     regime_summary,
 )
+from mechgeom.viz import plot_regime_grid, save_png
 
 
 def sink_effect(res: SelectionResult) -> pd.DataFrame:

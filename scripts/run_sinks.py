@@ -25,18 +25,21 @@ import pandas as pd
 import torch
 
 from mechgeom import load_model
-from mechgeom._io import atomic_write, save_png, write_frame
+from mechgeom._io import atomic_write, write_frame
 from mechgeom._progress import progress
 from mechgeom.data import load_corpus
 from mechgeom.sinks import (
     SinkResult,
     convexity_by_intervention,
+    sink_ablation,
+    sink_statistics,
+)
+from mechgeom.viz import (
     plot_cone_shift,
     plot_convexity_curves,
     plot_rate_vs_ratio,
     plot_sink_rate_vs_s_star,
-    sink_ablation,
-    sink_statistics,
+    save_png,
 )
 
 

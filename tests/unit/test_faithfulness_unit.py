@@ -19,6 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mechgeom import faithfulness as fa
+from mechgeom import viz
 from mechgeom.contribution import contribution_weights
 from mechgeom.data import TaskItem
 from mechgeom.evaluation import perplexity, text_nll
@@ -464,20 +465,20 @@ def test_plot_curves_writes_two_panels(tmp_path) -> None:
     frame = fa.perplexity_curves(
         model, random_tokens(3, 8), ["attention", "random"], rates=(0.0, 0.5, 1.0), verbose=False
     )
-    fig = fa.plot_curves(frame, tmp_path / "c.png", title="tiny")
+    fig = viz.plot_curves(frame, tmp_path / "c.png", title="tiny")
     data = (tmp_path / "c.png").read_bytes()
     assert data[:4] == b"\x89PNG" and len(data) < 300_000
     assert len(fig.axes) == 2 and all(
         len(ax.get_lines()) == 2 + 1 for ax in fig.axes
     )  # 2 metrics + zero line
     assert all(ax.get_yscale() == "symlog" for ax in fig.axes)  # ΔPPL spans orders of magnitude
-    fa.plot_curves(frame, tmp_path / "c.svg")
+    viz.plot_curves(frame, tmp_path / "c.svg")
     assert (tmp_path / "c.svg").read_text().lstrip().startswith("<?xml")
-    assert fa.plot_curves(frame, y="delta_nll").axes[0].get_yscale() == "linear"
+    assert viz.plot_curves(frame, y="delta_nll").axes[0].get_yscale() == "linear"
     with pytest.raises(ValueError, match="yscale"):
-        fa.plot_curves(frame, yscale="logit")
+        viz.plot_curves(frame, yscale="logit")
     with pytest.raises(ValueError, match=r"png or \.svg"):
-        fa.plot_curves(frame, tmp_path / "c.pdf")
+        viz.plot_curves(frame, tmp_path / "c.pdf")
 
 
 def test_plot_curves_draws_the_table() -> None:
@@ -491,7 +492,7 @@ def test_plot_curves_draws_the_table() -> None:
                 rows.append({**row, "ci_low": y - 0.5 - r, "ci_high": y + 1.0 + r})
     frame = pd.DataFrame(rows)
     for column in ("delta_ppl", "delta_nll"):
-        fig = fa.plot_curves(frame, y=column)
+        fig = viz.plot_curves(frame, y=column)
         for ax, mode in zip(fig.axes, ("comprehensiveness", "sufficiency"), strict=True):
             assert ax.get_title().startswith(mode)
             lines = [ln for ln in ax.get_lines() if ln.get_label() in ("contribution", "random")]

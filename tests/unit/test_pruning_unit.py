@@ -25,7 +25,6 @@ from mechgeom.pruning import (
     head_stats,
     mad_outliers,
     magnitude_order,
-    plot_retention,
     random_order,
     retention_curve,
     retention_curves,
@@ -36,6 +35,7 @@ from mechgeom.pruning import (
     taxonomy_order,
     weight_magnitude,
 )
+from mechgeom.viz import plot_retention
 
 #: SPEC.md: Reset heads are removed first, then Mixers, Retrievers last.
 REGIMES = ("Reset", "Mixer", "Retriever")
@@ -463,8 +463,9 @@ def test_retention_curve_matches_direct_perplexity(tmp_path, monkeypatch):
     pd.testing.assert_frame_equal(again.to_frame(), first.to_frame(), check_dtype=False)
     summary = first.summary()
     assert len(summary) == 4 and summary["mean_delta_ppl"].notna().all()
-    png = plot_retention(first.to_frame(), tmp_path / "fig.png")
-    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    fig = plot_retention(first.to_frame(), tmp_path / "fig.png")
+    assert (tmp_path / "fig.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert len(fig.axes) == 2  # one panel per corpus
 
 
 def test_plot_retention_draws_the_frame(tmp_path, monkeypatch):
@@ -491,9 +492,9 @@ def test_plot_retention_draws_the_frame(tmp_path, monkeypatch):
                 {**base, "corpus": "boolq", "ppl": np.nan, "accuracy": 0.8 - 0.3 * (1 - retention) * (o + 1)}
             )
     frame = pd.DataFrame(rows)
-    png = plot_retention(frame, tmp_path / "r.png", title="t")
-    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert len(drawn) == 1
+    returned = plot_retention(frame, tmp_path / "r.png", title="t")
+    assert (tmp_path / "r.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert len(drawn) == 1 and drawn[0] is returned  # the figure it saved is the one it returns
     axes = drawn[0].axes
     assert [ax.get_title() for ax in axes] == ["wiki", "boolq"]
     assert axes[0].get_yscale() == "log" and axes[1].get_yscale() == "linear"

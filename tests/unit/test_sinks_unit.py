@@ -22,10 +22,6 @@ from mechgeom.sinks import (
     convex_norm,
     convexity_by_intervention,
     kv_groups,
-    plot_cone_shift,
-    plot_convexity_curves,
-    plot_rate_vs_ratio,
-    plot_sink_rate_vs_s_star,
     random_control_positions,
     resolve_sinks,
     sink_ablation,
@@ -33,6 +29,7 @@ from mechgeom.sinks import (
     sink_statistics,
     sink_value_hooks,
 )
+from mechgeom.viz import plot_cone_shift, plot_convexity_curves, plot_rate_vs_ratio, plot_sink_rate_vs_s_star
 
 # --------------------------------------------------------------------------- loop reference
 

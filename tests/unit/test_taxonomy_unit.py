@@ -23,10 +23,10 @@ from mechgeom.taxonomy import (
     label_distribution,
     label_from_fractions,
     layer_taxonomy,
-    plot_regime_grid,
     regime_summary,
     source_winners,
 )
+from mechgeom.viz import plot_regime_grid
 
 K = 10
 

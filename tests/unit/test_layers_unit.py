@@ -1,0 +1,113 @@
+"""The layering of ARCHITECTURE.md, checked on the source: each layer imports only the layers below it.
+
+models/data and the shared helpers < hooks < analyses < viz < report/cli. Every import counts, also the ones
+inside functions, so a lazy ``import matplotlib.pyplot`` in an analysis fails here.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+import mechgeom
+
+PKG = Path(mechgeom.__file__).parent
+ANALYSES = {"contribution", "faithfulness", "sinks", "selection", "taxonomy", "pruning", "evaluation"}
+BELOW_HOOKS = {"typing", "_io", "_progress", "sweep", "models", "data"}
+PRESENTATION = ("mechgeom.viz", "mechgeom.report", "mechgeom.cli")
+
+
+def imports_of(source: str) -> set[str]:
+    """Every module named by an ``import`` or ``from ... import`` anywhere in ``source`` (relative imports excluded)."""
+    out: set[str] = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            out.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            out.add(node.module)
+            if node.module == "mechgeom":  # from mechgeom import viz
+                out.update(f"mechgeom.{alias.name}" for alias in node.names)
+    return out
+
+
+def module_imports() -> dict[str, set[str]]:
+    mods = {}
+    for path in sorted(PKG.rglob("*.py")):
+        name = ".".join(path.relative_to(PKG.parent).with_suffix("").parts).removesuffix(".__init__")
+        mods[name] = imports_of(path.read_text(encoding="utf-8"))
+    return mods
+
+
+def violations(name: str, imported: set[str]) -> list[str]:
+    short = name.removeprefix("mechgeom.")
+    bad = []
+    for mod in imported:
+        top = mod.split(".")[0]
+        if short in ANALYSES | BELOW_HOOKS | {"hooks"}:
+            if top == "matplotlib":
+                bad.append(f"{name} imports {mod} (figures live in mechgeom.viz)")
+            if mod.startswith(PRESENTATION):
+                bad.append(f"{name} imports {mod} (a higher layer)")
+        if short in BELOW_HOOKS | {"hooks"} and mod.removeprefix("mechgeom.") in ANALYSES:
+            bad.append(f"{name} imports the analysis {mod}")
+        if short in BELOW_HOOKS and mod == "mechgeom.hooks":
+            bad.append(f"{name} imports {mod} (hooks sit above it)")
+        if name.startswith("mechgeom.viz") and mod.startswith(("mechgeom.report", "mechgeom.cli")):
+            bad.append(f"{name} imports {mod} (report composes viz, not the reverse)")
+    return bad
+
+
+def test_every_layer_imports_only_the_layers_below() -> None:
+    mods = module_imports()
+    assert {"mechgeom.hooks", "mechgeom.contribution", "mechgeom.viz.figures"} <= set(mods)
+    bad = [v for name, imported in mods.items() for v in violations(name, imported)]
+    assert not bad, "\n".join(bad)
+
+
+def test_no_library_module_switches_the_matplotlib_backend() -> None:
+    users = [p.name for p in PKG.rglob("*.py") if "matplotlib.use(" in p.read_text(encoding="utf-8")]
+    assert not users
+
+
+def test_no_import_cycle_between_mechgeom_modules() -> None:
+    mods = module_imports()
+    graph = {m: {i for i in imp if i in mods and i != m} for m, imp in mods.items()}
+    # a package's __init__ re-exports its children: that edge is not a cycle through the layers
+    graph = {
+        m: {i for i in deps if not (m != "mechgeom" and i.startswith(m + "."))} for m, deps in graph.items()
+    }
+    graph["mechgeom"] = set()  # the top-level package only re-exports
+    state: dict[str, int] = {}
+
+    def visit(m: str, path: list[str]) -> None:
+        state[m] = 1
+        for d in graph[m]:
+            if state.get(d) == 1:
+                pytest.fail("import cycle: " + " -> ".join([*path, m, d]))
+            if d not in state:
+                visit(d, [*path, m])
+        state[m] = 2
+
+    for m in graph:
+        if m not in state:
+            visit(m, [])
+
+
+@pytest.mark.parametrize(
+    ("name", "source", "needle"),
+    [
+        ("mechgeom.sinks", "def f():\n    import matplotlib.pyplot as plt\n", "matplotlib.pyplot"),
+        ("mechgeom.pruning", "from mechgeom import report\n", "mechgeom.report"),
+        (
+            "mechgeom.hooks",
+            "from mechgeom.contribution import LayerGeometry\n",
+            "analysis mechgeom.contribution",
+        ),
+        ("mechgeom.viz.views", "from mechgeom.report import build_report\n", "report composes viz"),
+    ],
+)
+def test_the_checker_catches_each_kind_of_violation(name: str, source: str, needle: str) -> None:
+    found = violations(name, imports_of(source))
+    assert any(needle in v for v in found), found
