@@ -41,21 +41,35 @@ import hashlib
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from functools import partial
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pandas as pd
 import torch
-from transformer_lens.hook_points import HookPoint
 
 from mechgeom._io import write_frame
 from mechgeom.contribution import INTER_METRICS, INTRA_METRICS, RANKING_METRICS, ContributionCollector
 from mechgeom.evaluation import bootstrap_ci
-from mechgeom.hooks import FwdHook, check_decoder, check_index, hook_name, resolve_layers, to_tokens
+from mechgeom.hooks import (
+    MODES,
+    FwdHook,
+    check_decoder,
+    check_index,
+    check_mode,
+    check_rate,
+    mask_sources_hook,
+    masking_hooks,
+    n_removed,
+    rank_sources,
+    ranked_mask_hook,
+    removal_interval,
+    removal_mask,
+    resolve_layers,
+    to_tokens,
+)
 from mechgeom.sweep import Item, LocalExecutor, RowStore, run_sweep
-from mechgeom.typing import Bool, Float, Int, Pattern, SourceRanks, Tensor, Tokens
+from mechgeom.typing import Bool, Float, Int, SourceRanks, Tensor, Tokens
 
 __all__ = [
     "DEFAULT_RATES",
@@ -75,8 +89,6 @@ __all__ = [
     "task_accuracy_curves",
 ]
 
-#: The two interventions of paper A.
-MODES = ("comprehensiveness", "sufficiency")
 #: Intra-head metrics rank per head; inter-head metrics rank once per layer and apply to all heads.
 SCOPES = ("intra", "inter")
 #: The metrics compared by default: paper A's four, in its claimed order, and the random control.
@@ -90,32 +102,19 @@ _CLEAN = "clean"
 # --------------------------------------------------------------------------- validation
 
 
-def _check_rate(rate: float) -> float:
-    r = float(rate)
-    if not (0.0 <= r <= 1.0):  # also rejects NaN
-        raise ValueError(f"removal rate must be in [0, 1], got {rate!r}")
-    return r
-
-
 def _check_rates(rates: Sequence[float]) -> tuple[float, ...]:
     if isinstance(rates, (int, float)):
         rates = (rates,)
-    out = tuple(dict.fromkeys(_rkey(_check_rate(r)) for r in rates))
+    out = tuple(dict.fromkeys(_rkey(check_rate(r)) for r in rates))
     if not out:
         raise ValueError("rates is empty; give at least one rate in [0, 1]")
     return out
 
 
-def _check_mode(mode: str) -> str:
-    if mode not in MODES:
-        raise ValueError(f"unknown mode {mode!r}; choose from {list(MODES)}")
-    return mode
-
-
 def _check_modes(modes: Sequence[str]) -> tuple[str, ...]:
     if isinstance(modes, str):
         modes = (modes,)
-    out = tuple(dict.fromkeys(_check_mode(m) for m in modes))
+    out = tuple(dict.fromkeys(check_mode(m) for m in modes))
     if not out:
         raise ValueError(f"modes is empty; choose from {list(MODES)}")
     return out
@@ -150,137 +149,7 @@ def _rkey(rate: float) -> float:
 # --------------------------------------------------------------------------- ranking maths
 
 
-def n_removed(rate: float, n_queries: int) -> Int[Tensor, " query_pos"]:
-    """Number of sources removed at each query: SPEC "at removal rate ``r``, remove ``ceil(r * (i+1))``
-    sources per query".
-
-    ``r * (i+1)`` is rounded to 9 decimals before the ceiling, so ``0.3 * 10`` counts 3.
-
-    >>> n_removed(0.5, 4).tolist()
-    [1, 1, 2, 2]
-    >>> n_removed(0.3, 10)[-1].item()
-    3
-    """
-    r = _check_rate(rate)
-    count = np.arange(1, n_queries + 1, dtype=np.float64)
-    return torch.from_numpy(np.ceil(np.round(r * count, 9)).astype(np.int64))
-
-
-def removal_interval(
-    rate: float, mode: str, n_queries: int
-) -> tuple[Int[Tensor, " query_pos"], Int[Tensor, " query_pos"]]:
-    """The ranks ``[lo_i, hi_i)`` removed at each query ``i`` (rank 0 = top; query ``i`` ranks ``i+1`` sources).
-
-    - comprehensiveness (remove the top-ranked): ``[0, n_i)``
-    - sufficiency (remove the bottom-ranked): ``[i+1-n_i, i+1)``
-
-    >>> [t.tolist() for t in removal_interval(0.5, "sufficiency", 4)]
-    [[0, 1, 1, 2], [1, 2, 3, 4]]
-    """
-    _check_mode(mode)
-    n = n_removed(rate, n_queries)
-    size = torch.arange(1, n_queries + 1)
-    if mode == "comprehensiveness":
-        return torch.zeros_like(n), n
-    return size - n, size
-
-
-def _rank_dtype(n_keys: int) -> torch.dtype:
-    if n_keys <= 256:
-        return torch.uint8
-    if n_keys <= 2**15:
-        return torch.int16
-    return torch.int32
-
-
-def rank_sources(
-    scores: Float[Tensor, "*batch query_pos key_pos"],
-) -> Int[Tensor, "*batch query_pos key_pos"]:
-    """The rank of each source within its query's ranking (0 = largest score), in a small integer dtype.
-
-    Only sources ``j <= i`` compete (``j > i`` get ranks ``i+1, i+2, ...``, never removed). Descending,
-    **stable** sort on the signed score: ties go to the lower position first; NaN ranks below every finite
-    value (NaN rows are ordered by position).
-
-    >>> rank_sources(torch.tensor([[1.0, 0.0, 0.0], [0.2, 0.5, 0.0], [0.3, 0.3, 0.4]])).tolist()
-    [[0, 1, 2], [1, 0, 2], [1, 2, 0]]
-    """
-    q, k = scores.shape[-2:]
-    if q > k:
-        raise ValueError(f"scores have more queries ({q}) than keys ({k})")
-    future = torch.ones(q, k, dtype=torch.bool, device=scores.device).triu(diagonal=1 + k - q)
-    s = torch.where(torch.isnan(scores) | future, torch.full_like(scores, -math.inf), scores)
-    order = torch.sort(s, dim=-1, descending=True, stable=True).indices
-    dtype = _rank_dtype(k)
-    ranks = torch.empty(order.shape, dtype=dtype, device=scores.device)
-    ranks.scatter_(
-        -1, order, torch.arange(k, device=scores.device, dtype=dtype).expand(order.shape).contiguous()
-    )
-    return ranks
-
-
-def removal_mask(
-    ranks: SourceRanks, rate: float, mode: str
-) -> Bool[Tensor, "batch rank_head query_pos key_pos"]:
-    """``True`` where a source is removed: ranks in :func:`removal_interval` of its query (never ``j > i``).
-
-    >>> r = rank_sources(torch.tensor([[[[1.0, 0.0], [0.2, 0.5]]]]))
-    >>> removal_mask(r, 0.5, "comprehensiveness")[0, 0].tolist()
-    [[True, False], [False, True]]
-    """
-    lo, hi = removal_interval(rate, mode, ranks.shape[-2])
-    return _interval_mask(ranks, lo.to(ranks.device)[:, None], hi.to(ranks.device)[:, None])
-
-
-def _interval_mask(ranks: Tensor, lo: Tensor, hi: Tensor) -> Tensor:
-    # ranks [batch rank_head q k]; lo, hi [q, 1]
-    mask = ranks < hi
-    if bool((lo > 0).any()):
-        mask &= ranks >= lo
-    return mask
-
-
 # --------------------------------------------------------------------------- hooks
-
-
-def _check_pattern_match(pattern: Tensor, other: Tensor, hook: HookPoint | None, what: str) -> None:
-    b, h, q, k = pattern.shape
-    ob, oh, oq, ok = other.shape
-    if ob != b or oq != q or ok != k or oh not in (1, h):
-        raise ValueError(
-            f"{what} of shape {tuple(other.shape)} does not fit the pattern {tuple(pattern.shape)} "
-            f"at {getattr(hook, 'name', 'hook_pattern')} (need [batch, head_index or 1, query_pos, key_pos])"
-        )
-
-
-def mask_sources_hook(
-    pattern: Pattern, hook: HookPoint, *, mask: Bool[Tensor, "batch head_or_1 query_pos key_pos"]
-) -> Pattern:
-    """``hook_pattern`` hook: ``alpha[h,i,j] = 0`` where ``mask`` is True, **no renormalisation**.
-
-    ``mask`` is ``[batch, head_index, q, k]`` or ``[batch, 1, q, k]`` (broadcast to heads).
-    """
-    # pattern: [batch, head_index, query_pos, key_pos]
-    _check_pattern_match(pattern, mask, hook, "mask")
-    return pattern.masked_fill(mask, 0.0)
-
-
-def ranked_mask_hook(
-    pattern: Pattern,
-    hook: HookPoint,
-    *,
-    ranks: SourceRanks,
-    lo: Int[Tensor, "query_pos 1"],
-    hi: Int[Tensor, "query_pos 1"],
-) -> Pattern:
-    """``hook_pattern`` hook: remove the sources whose clean rank lies in ``[lo_i, hi_i)``, no renormalisation.
-
-    The mask is built on the fly from the stored ranks (``[batch, head_index or 1, q, k]``); the ranks
-    come from the clean pass and are not recomputed here.
-    """
-    # pattern: [batch, head_index, query_pos, key_pos]; ranks: [batch, head_index | 1, query_pos, key_pos]
-    _check_pattern_match(pattern, ranks, hook, "ranks")
-    return pattern.masked_fill(_interval_mask(ranks, lo, hi), 0.0)
 
 
 @dataclass
@@ -343,68 +212,6 @@ class SourceRanking:
                     )
                 )
         return pd.concat(frames, ignore_index=True)
-
-
-def masking_hooks(
-    model: Any,
-    *,
-    mask: Tensor | dict[int, Tensor] | None = None,
-    ranking: SourceRanking | None = None,
-    rate: float | None = None,
-    mode: str = "comprehensiveness",
-    layers: int | Sequence[int] | None = None,
-) -> list[FwdHook]:
-    """``(hook_name, fn)`` pairs on ``blocks.{l}.attn.hook_pattern`` that remove (query, source) pairs.
-
-    Give either
-
-    - ``mask``: a boolean ``[batch, head_index, q, k]`` or ``[batch, q, k]`` (broadcast to heads) tensor,
-      True = remove, applied at every layer of ``layers`` (default: all); or a ``{layer: mask}`` dict; or
-    - ``ranking`` (a :class:`SourceRanking` from :func:`source_rankings`), ``rate`` in ``[0, 1]`` and
-      ``mode`` (``"comprehensiveness"`` removes the top ``ceil(rate * (i+1))`` sources of query ``i``,
-      ``"sufficiency"`` the bottom ones) at ``layers`` (default: every ranked layer). The clean ranking is
-      applied as is; the masked pass does not re-rank.
-
-    Removal sets ``alpha[h,i,j] = 0`` without renormalising. The pairs compose with any other hooks.
-    """
-    if (mask is None) == (ranking is None):
-        raise ValueError("give exactly one of mask= (explicit boolean mask) or ranking= (with rate and mode)")
-    hooks: list[FwdHook] = []
-    if mask is not None:
-        if rate is not None:
-            raise ValueError("rate applies to a ranking, not to an explicit mask")
-        masks = mask if isinstance(mask, dict) else dict.fromkeys(resolve_layers(model, layers), mask)
-        if isinstance(mask, dict):
-            resolve_layers(model, list(mask))
-            if layers is not None:
-                raise ValueError("give layers either as the keys of the mask dict or as layers=, not both")
-        for layer, m in masks.items():
-            if not isinstance(m, Tensor) or m.dtype != torch.bool:
-                raise TypeError(f"mask must be a boolean tensor, got {getattr(m, 'dtype', type(m))}")
-            if m.ndim == 3:
-                m = m[:, None]
-            if m.ndim != 4 or m.shape[-1] != m.shape[-2]:
-                raise ValueError(
-                    f"mask must be [batch, head_index, q, k] or [batch, q, k] with q == k, got {tuple(m.shape)}"
-                )
-            hooks.append((hook_name(layer, "pattern"), partial(mask_sources_hook, mask=m)))
-        return hooks
-    assert ranking is not None
-    if rate is None:
-        raise ValueError("a ranking needs a removal rate in [0, 1]")
-    _check_mode(mode)
-    chosen = ranking.layers if layers is None else resolve_layers(model, layers)
-    missing = [la for la in chosen if la not in ranking.ranks]
-    if missing:
-        raise ValueError(f"layer(s) {missing} were not ranked; the ranking covers layers {ranking.layers}")
-    for layer in chosen:
-        ranks = ranking.ranks[layer]
-        lo, hi = removal_interval(rate, mode, ranks.shape[-2])
-        fn = partial(
-            ranked_mask_hook, ranks=ranks, lo=lo.to(ranks.device)[:, None], hi=hi.to(ranks.device)[:, None]
-        )
-        hooks.append((hook_name(layer, "pattern"), fn))
-    return hooks
 
 
 # --------------------------------------------------------------------------- rankings from a clean pass

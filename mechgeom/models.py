@@ -21,6 +21,7 @@ import contextlib
 import hashlib
 import importlib
 import importlib.util
+import io
 import json
 import logging
 import os
@@ -461,7 +462,8 @@ def _load_bridge(name: str, device: str | torch.device, dtype: torch.dtype, use_
         bridge.enable_compatibility_mode(disable_warnings=True)
     _apply_bos_rule(bridge, spec)
     bridge.eval()
-    return bridge.to(device)
+    with contextlib.redirect_stdout(io.StringIO()):  # the bridge prints "Moving model to device" to stdout
+        return bridge.to(device)
 
 
 def load_model(

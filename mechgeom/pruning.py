@@ -47,7 +47,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import Any, Literal, cast
+from typing import Any, cast
 
 import einops
 import numpy as np
@@ -60,11 +60,13 @@ from mechgeom.data import TaskItem
 from mechgeom.evaluation import text_nll
 from mechgeom.hooks import (
     FwdHook,
+    Head,
+    HeadAblationMode,
+    head_ablation_hooks,
     head_outputs,
     hook_name,
     layer_W_O,
-    resolve_heads,
-    resolve_layers,
+    resolve_head_set,
     run_hooks,
     to_tokens,
 )
@@ -101,9 +103,8 @@ __all__ = [
     "weight_magnitude",
 ]
 
-#: A head, ``(layer, head)``.
-Head = tuple[int, int]
-AblationMode = Literal["zero", "mean"]
+#: Head removal modes (defined with the intervention in :mod:`mechgeom.hooks.interventions`).
+AblationMode = HeadAblationMode
 #: The taxonomy order's regimes, the first removed first.
 REGIMES = ("Reset", "Mixer", "Retriever")
 #: The orders :func:`head_orders` builds.
@@ -117,79 +118,10 @@ MAD_SCALE = 1.4826
 # --------------------------------------------------------------------------- head sets and removal hooks
 
 
-def resolve_head_set(model: Any, heads: Iterable[Head]) -> dict[int, list[int]]:
-    """Validate a set of ``(layer, head)`` pairs and group it by layer (layers ascending, heads in given order).
-
-    Raises ``IndexError`` for a layer or head out of range, ``ValueError`` for a duplicate pair or a pair
-    that is not two integers.
-    """
-    by_layer: dict[int, list[int]] = {}
-    for pair in heads:
-        if len(pair) != 2:
-            raise ValueError(f"a head is a (layer, head) pair, got {pair!r}")
-        layer, head = int(pair[0]), int(pair[1])
-        by_layer.setdefault(layer, []).append(head)
-    if by_layer:
-        resolve_layers(model, sorted(by_layer))
-    for layer, hs in by_layer.items():
-        try:
-            resolve_heads(model, hs)
-        except ValueError as err:
-            raise ValueError(f"duplicate heads in layer {layer}: {err}") from None
-        except IndexError as err:
-            raise IndexError(f"layer {layer}: {err}") from None
-    return {layer: by_layer[layer] for layer in sorted(by_layer)}
-
-
 def _all_heads(model: Any) -> list[Head]:
     return [
         (layer, head) for layer in range(int(model.cfg.n_layers)) for head in range(int(model.cfg.n_heads))
     ]
-
-
-def _replace_z(z: Z, hook: HookPoint, *, heads: list[int], fill: Float[Tensor, "n d_head"] | None) -> Z:
-    """Replace ``z[:, :, heads]`` by zeros (``fill is None``) or by ``fill[k]`` at every position."""
-    # z: [batch pos head_index d_head]; fill: [len(heads) d_head], broadcast over batch and pos
-    out = z.clone()
-    if fill is None:
-        out[:, :, heads] = 0.0
-    else:
-        out[:, :, heads] = fill.to(device=out.device, dtype=out.dtype)
-    return out
-
-
-def head_ablation_hooks(
-    model: Any,
-    heads: Iterable[Head],
-    *,
-    mode: AblationMode = "zero",
-    means: HeadStats | Float[Tensor, "layer head_index d_head"] | None = None,
-) -> list[FwdHook]:
-    """``(hook_name, fn)`` pairs on ``blocks.{l}.attn.hook_z`` that remove the given heads.
-
-    ``mode="zero"`` sets ``z[:, :, h] = 0``; ``mode="mean"`` sets it to ``means[l, h]`` at every position
-    (``means`` is a :class:`HeadStats` or its ``z_mean`` tensor, see :func:`head_stats` for which positions
-    are averaged). An empty set gives no hooks. Raises ``IndexError``/``ValueError`` as
-    :func:`resolve_head_set`, and ``ValueError`` for a bad mode or missing/misshapen means.
-    """
-    by_layer = resolve_head_set(model, heads)
-    if mode not in ("zero", "mean"):
-        raise ValueError(f"mode must be 'zero' or 'mean', got {mode!r}")
-    z_mean: Tensor | None = None
-    if mode == "mean":
-        if means is None:
-            raise ValueError("mode='mean' needs means=head_stats(model, reference_tokens)")
-        z_mean = means.z_mean if isinstance(means, HeadStats) else means
-        expected = (int(model.cfg.n_layers), int(model.cfg.n_heads), int(model.cfg.d_head))
-        if tuple(z_mean.shape) != expected:
-            raise ValueError(
-                f"means must have shape [layer, head, d_head] = {expected}, got {tuple(z_mean.shape)}"
-            )
-    hooks: list[FwdHook] = []
-    for layer, hs in by_layer.items():
-        fill = None if z_mean is None else z_mean[layer, hs].detach().clone()
-        hooks.append((hook_name(layer, "z"), partial(_replace_z, heads=list(hs), fill=fill)))
-    return hooks
 
 
 # --------------------------------------------------------------------------- per-head formulas

@@ -44,7 +44,15 @@ import pandas as pd
 import torch
 
 from mechgeom._progress import progress
-from mechgeom.hooks import FwdHook, LayerActivations, LayerCollector, modified_pairs, run_hooks, to_tokens
+from mechgeom.hooks import (
+    FwdHook,
+    LayerActivations,
+    LayerCollector,
+    check_sink_positions,
+    modified_pairs,
+    run_hooks,
+    to_tokens,
+)
 from mechgeom.typing import WO, Bool, Float, Int, Pattern, Tensor, Tokens, Values
 
 __all__ = [
@@ -79,13 +87,8 @@ Mask = Bool[Tensor, "*batch query_pos key_pos"]
 
 
 def _check_sinks(sink_positions: int | Sequence[int], n_pos: int) -> list[int]:
-    sinks = [int(sink_positions)] if isinstance(sink_positions, int) else [int(p) for p in sink_positions]
-    bad = [p for p in sinks if not 0 <= p < n_pos]
-    if bad:
-        raise IndexError(f"sink position(s) {bad} out of range for a sequence of {n_pos} positions")
-    if len(set(sinks)) != len(sinks):
-        raise ValueError(f"duplicate sink positions in {sinks}")
-    return sinks
+    """The sink set in the order given, checked by :func:`mechgeom.hooks.check_sink_positions`."""
+    return list(check_sink_positions(sink_positions, n_pos))
 
 
 def _check_ns(ns: int | Sequence[int]) -> list[int]:

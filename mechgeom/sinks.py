@@ -41,27 +41,35 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 import einops
 import numpy as np
 import pandas as pd
 import torch
-from transformer_lens.hook_points import HookPoint
 
 from mechgeom._progress import progress
 from mechgeom.contribution import LayerGeometry
 from mechgeom.evaluation import bootstrap_ci, text_nll
 from mechgeom.hooks import (
+    VALUE_ABLATION_MODES,
     FwdHook,
     LayerActivations,
     LayerCollector,
+    ValueAblationMode,
+    affected_heads,
     check_indices,
-    hook_name,
+    kv_groups,
+    masked_mean,
     modified_pairs,
+    query_mask,
     resolve_heads,
     resolve_layers,
+    resolve_sinks,
     run_hooks,
+    sink_mask,
+    sink_mass_hooks,
+    sink_value_hooks,
     to_tokens,
 )
 from mechgeom.typing import Bool, Float, Pattern, Tensor, Tokens
@@ -101,58 +109,14 @@ __all__ = [
 FACTORS = ("alpha", "ratio", "cos")
 #: Token groups of the factor decomposition: the sink set and the tail (non-sink) tokens.
 GROUPS = ("sink", "tail")
-AblationMode = Literal["zero", "mean_norm", "scale", "unchanged"]
-_MODES = ("zero", "mean_norm", "scale", "unchanged")
+#: The sink-value ablation modes (defined with the intervention in :mod:`mechgeom.hooks.interventions`).
+AblationMode = ValueAblationMode
+_MODES = VALUE_ABLATION_MODES
 # layout of the last axis of the factor moment sums
 _MOMENTS = ("n", "x_alpha", "x_ratio", "x_cos", "L", "x_alpha_L", "x_ratio_L", "x_cos_L", "L_L")
 
 
 # =========================================================================== sink set and queries
-
-
-def resolve_sinks(sink_positions: int | Sequence[int] | None, pos: int | None = None) -> list[int]:
-    """The sorted sink set ``S``; ``None`` means ``[0]``.
-
-    Raises ``ValueError`` for an empty set, negative or duplicate positions, and (when ``pos`` is
-    given) a position at or beyond the sequence length.
-
-    >>> resolve_sinks(None), resolve_sinks([2, 0])
-    ([0], [0, 2])
-    """
-    if sink_positions is None:
-        return [0]
-    out = [int(sink_positions)] if isinstance(sink_positions, int) else [int(s) for s in sink_positions]
-    if not out:
-        raise ValueError("sink_positions is empty; give at least one position (default [0])")
-    if any(s < 0 for s in out):
-        raise ValueError(f"sink positions must be non-negative, got {out}")
-    if len(set(out)) != len(out):
-        raise ValueError(f"duplicate sink positions in {out}")
-    if pos is not None and max(out) >= pos:
-        raise ValueError(
-            f"sink position {max(out)} is beyond the sequence (length {pos}, positions 0..{pos - 1})"
-        )
-    return sorted(out)
-
-
-def _sink_mask(sinks: Sequence[int], pos: int, device: torch.device) -> torch.Tensor:
-    """``[pos]`` bool, True on the sink set."""
-    mask = torch.zeros(pos, dtype=torch.bool, device=device)
-    mask[list(sinks)] = True
-    return mask
-
-
-def _query_mask(sinks: Sequence[int], pos: int, device: torch.device) -> torch.Tensor:
-    """``[pos]`` bool, True on ``Q = {i : i > max(S)}``."""
-    return torch.arange(pos, device=device) > max(sinks)
-
-
-def _masked_mean(x: Tensor, mask: Tensor, dim: int) -> Tensor:
-    """Mean of ``x`` over ``mask`` along ``dim`` (NaN entries skipped); NaN where nothing is left."""
-    keep = mask & ~torch.isnan(x)
-    num = torch.where(keep, x, torch.zeros_like(x)).sum(dim)
-    den = keep.sum(dim)
-    return torch.where(den > 0, num / den.clamp_min(1), torch.full_like(num, float("nan")))
 
 
 # =========================================================================== SPEC formulas
@@ -167,11 +131,11 @@ def sink_rate(
     sink position ``mean_{i in Q} alpha[h,i,s]`` (second output). NaN when ``Q`` is empty.
     """
     pos = pattern.shape[-1]
-    qmask = _query_mask(sinks, pos, pattern.device)
+    qmask = query_mask(sinks, pos, pattern.device)
     each = pattern[..., list(sinks)]  # [batch head q sink]
-    per_sink = _masked_mean(each, qmask[None, None, :, None].expand_as(each), dim=2)  # [batch head sink]
+    per_sink = masked_mean(each, qmask[None, None, :, None].expand_as(each), dim=2)  # [batch head sink]
     total = each.sum(-1)  # [batch head q]
-    return _masked_mean(total, qmask[None, None, :].expand_as(total), dim=2), per_sink
+    return masked_mean(total, qmask[None, None, :].expand_as(total), dim=2), per_sink
 
 
 def sink_norm_ratio(
@@ -183,8 +147,8 @@ def sink_norm_ratio(
     with a zero non-sink mean. Paper B reports 3–10× smaller sinks (ratio 0.1–0.33).
     """
     pos = norms.shape[-1]
-    nonsink = ~_sink_mask(sinks, pos, norms.device)
-    ref = _masked_mean(norms, nonsink.expand_as(norms), dim=-1)  # [batch head]
+    nonsink = ~sink_mask(sinks, pos, norms.device)
+    ref = masked_mean(norms, nonsink.expand_as(norms), dim=-1)  # [batch head]
     ref = torch.where(ref == 0, torch.full_like(ref, float("nan")), ref)
     return norms[..., list(sinks)] / ref[..., None]
 
@@ -205,8 +169,8 @@ def sink_token_cos(
     cos = torch.where(
         den > 0, dots / den.clamp_min(torch.finfo(den.dtype).tiny), torch.full_like(dots, float("nan"))
     )
-    nonsink = ~_sink_mask(sinks, pos, vt.device)
-    return _masked_mean(cos, nonsink.expand_as(cos), dim=-1)
+    nonsink = ~sink_mask(sinks, pos, vt.device)
+    return masked_mean(cos, nonsink.expand_as(cos), dim=-1)
 
 
 def sink_mean_split(
@@ -227,7 +191,7 @@ def sink_mean_split(
     """
     alpha = geo.pattern
     pos = alpha.shape[-1]
-    is_sink = _sink_mask(sinks, pos, alpha.device)
+    is_sink = sink_mask(sinks, pos, alpha.device)
     a_sink = alpha * is_sink  # [b h q k]
     a_rest = alpha * ~is_sink
     z_sink = einops.einsum(a_sink, geo.v, "b h q k, b k h d -> b h q d").double()
@@ -307,8 +271,8 @@ def factor_moments(geo: LayerGeometry, sinks: Sequence[int]) -> Float[Tensor, "h
     finite = torch.isfinite(big_l)
     for x in xs:
         finite &= torch.isfinite(x)
-    is_sink = _sink_mask(sinks, pos, big_l.device)
-    qmask = _query_mask(sinks, pos, big_l.device)
+    is_sink = sink_mask(sinks, pos, big_l.device)
+    qmask = query_mask(sinks, pos, big_l.device)
     causal = torch.ones(pos, pos, dtype=torch.bool, device=big_l.device).tril()
     groups = (qmask[:, None] & is_sink[None, :], qmask[:, None] & ~is_sink[None, :] & causal)  # [q k]
     out = []
@@ -598,7 +562,7 @@ class SinkCollector:
         v_norm = einops.rearrange(geo.v.norm(dim=-1), "b k h -> b h k")
         sq_sink, cross, sq_mean, sink_mass = convexity_terms(geo, sinks)  # [b h q] each
         cos_q = sink_mean_cos(sq_sink, cross, sq_mean)
-        qmask = _query_mask(sinks, pos, geo.pattern.device)
+        qmask = query_mask(sinks, pos, geo.pattern.device)
 
         def nan_out(x: Tensor) -> Tensor:  # NaN outside Q
             return torch.where(qmask, x, torch.full_like(x, torch.nan))
@@ -609,7 +573,7 @@ class SinkCollector:
             "norm_ratio_v": sink_norm_ratio(v_norm, sinks),
             "norm_ratio_vt": sink_norm_ratio(geo.vt_norm, sinks),
             "cos_sink_tokens": sink_token_cos(geo.projected_values, geo.vt_norm, sinks),
-            "cos_sink_mean": _masked_mean(cos_q, qmask.expand_as(cos_q), dim=-1),
+            "cos_sink_mean": masked_mean(cos_q, qmask.expand_as(cos_q), dim=-1),
             "sink_mass": nan_out(sink_mass),
             "sq_sink": nan_out(sq_sink),
             "cross": nan_out(cross),
@@ -673,51 +637,6 @@ def sink_statistics(
 # =========================================================================== sink-mass intervention
 
 
-def _set_sink_mass(
-    pattern: Pattern, hook: HookPoint, *, s: float, heads: list[int], sinks: list[int]
-) -> Pattern:
-    # pattern: [batch head q k]; for queries i in Q of the chosen heads: sink set -> total mass s
-    # (keeping the proportions inside the set), the other sources rescaled to total mass 1 - s.
-    pos = pattern.shape[-1]
-    sinks = resolve_sinks(sinks, pos)
-    is_sink = _sink_mask(sinks, pos, pattern.device)  # [k]
-    qmask = _query_mask(sinks, pos, pattern.device)  # [q]
-    sub = pattern[:, heads]  # [batch head' q k]
-    sink_mass = (sub * is_sink).sum(-1, keepdim=True)  # [batch head' q 1]
-    rest_mass = (sub * ~is_sink).sum(-1, keepdim=True)
-    ok = (sink_mass > 0) & (rest_mass > 0) & qmask[:, None]
-    scale = torch.where(
-        is_sink,
-        s / torch.where(sink_mass > 0, sink_mass, 1),
-        (1 - s) / torch.where(rest_mass > 0, rest_mass, 1),
-    )  # [batch head' q k]
-    out = pattern.clone()
-    out[:, heads] = torch.where(ok, sub * scale, sub)
-    return out
-
-
-def sink_mass_hooks(
-    model: Any,
-    s: float,
-    *,
-    layers: int | Sequence[int] | None = None,
-    heads: int | Sequence[int] | None = None,
-    sink_positions: int | Sequence[int] | None = None,
-) -> list[FwdHook]:
-    """Hooks on ``hook_pattern`` that set the sink mass of each query ``i in Q`` to ``s`` and rescale the
-    other sources to ``1 - s``: ``alpha'[i,s'] = s·alpha[i,s']/sum_S alpha`` on the sink set,
-    ``alpha'[i,j] = (1-s)·alpha[i,j]/sum_{∉S} alpha`` elsewhere. Then ``o'[i,h] = s vt_S[i] + (1-s) m[i]``,
-    the convexity curve. Rows with a zero sink or non-sink mass and queries outside ``Q`` are left as
-    they are. Only the chosen layers (default all) and heads (default all) change.
-    """
-    if not 0.0 <= float(s) <= 1.0:
-        raise ValueError(f"sink mass s must lie in [0, 1], got {s}")
-    fn = partial(
-        _set_sink_mass, s=float(s), heads=resolve_heads(model, heads), sinks=resolve_sinks(sink_positions)
-    )
-    return [(hook_name(layer, "pattern"), fn) for layer in resolve_layers(model, layers)]
-
-
 def convexity_by_intervention(
     model: Any,
     tokens_or_text: str | Sequence[str] | Tensor,
@@ -742,124 +661,12 @@ def convexity_by_intervention(
         acts = col.captured[layer]
         o = LayerGeometry.from_activations(acts).head_out.double()  # [b q h m]
         norm = einops.rearrange(o.norm(dim=-1), "b q h -> b h q")
-        qmask = _query_mask(sinks, tokens.shape[1], norm.device)
+        qmask = query_mask(sinks, tokens.shape[1], norm.device)
         out.append(torch.where(qmask, norm, torch.nan).cpu())
     return torch.stack(out)
 
 
 # =========================================================================== sink-value ablation
-
-
-def _n_kv_heads(model: Any) -> int:
-    cfg = model.cfg
-    if getattr(cfg, "ungroup_grouped_query_attention", False):
-        return int(cfg.n_heads)
-    return int(getattr(cfg, "n_key_value_heads", None) or cfg.n_heads)
-
-
-def kv_groups(model: Any, heads: int | Sequence[int] | None = None) -> dict[int, list[int]]:
-    """The KV heads behind ``heads`` and every query head that shares each of them.
-
-    ``hook_v`` holds one value per KV head (GQA), so ablating the value of query head ``h`` ablates
-    KV head ``h // (n_heads // n_kv)`` and with it the whole group. Without GQA each group is one head.
-    """
-    n_heads = int(model.cfg.n_heads)
-    group = n_heads // _n_kv_heads(model)
-    kvs = sorted({h // group for h in resolve_heads(model, heads)})
-    return {kv: list(range(kv * group, (kv + 1) * group)) for kv in kvs}
-
-
-def affected_heads(model: Any, heads: int | Sequence[int] | None = None) -> list[int]:
-    """Every query head whose output a value ablation of ``heads`` changes (their whole KV groups)."""
-    return sorted(h for group in kv_groups(model, heads).values() for h in group)
-
-
-def _positions_mask(positions: Tensor, batch: int, pos: int) -> Tensor:
-    """``[batch, pos]`` bool from per-text positions ``[batch, n]`` (or shared ``[n]``)."""
-    if positions.ndim == 1:
-        positions = positions[None].expand(batch, -1)
-    if positions.shape[0] != batch:
-        raise ValueError(f"per-text positions have {positions.shape[0]} rows for a batch of {batch} texts")
-    if positions.numel() and (int(positions.min()) < 0 or int(positions.max()) >= pos):
-        raise ValueError(
-            f"ablated positions {positions.unique().tolist()} outside the sequence (length {pos})"
-        )
-    mask = torch.zeros(batch, pos, dtype=torch.bool, device=positions.device)
-    return mask.scatter(1, positions.long(), True)
-
-
-def _ablate_value(
-    v: Float[Tensor, "batch pos kv_head d_head"],
-    hook: HookPoint,
-    *,
-    kv_heads: list[int],
-    positions: Tensor,
-    sinks: list[int],
-    mode: str,
-    scale: float,
-) -> Float[Tensor, "batch pos kv_head d_head"]:
-    # v: [batch pos kv_head d_head] (not GQA-expanded). Ablate v[b, p, kv] for p in positions[b].
-    if mode == "unchanged":
-        return v
-    batch, pos, n_kv, _ = v.shape
-    if max(kv_heads) >= n_kv:
-        raise IndexError(f"KV head {max(kv_heads)} out of range for hook_v with {n_kv} KV heads")
-    target = _positions_mask(positions.to(v.device), batch, pos)  # [b pos]
-    kv_sel = torch.zeros(n_kv, dtype=torch.bool, device=v.device)
-    kv_sel[kv_heads] = True
-    sel = target[:, :, None] & kv_sel[None, None, :]  # [b pos kv]
-    if mode == "zero":
-        new = torch.zeros_like(v)
-    elif mode == "scale":
-        new = v * scale
-    else:  # mean_norm: the mean value-space norm of the positions neither ablated nor sinks
-        norms = v.norm(dim=-1)  # [b pos kv]
-        ref = ~target & ~_sink_mask(sinks, pos, v.device)[None, :]  # [b pos]
-        ref_norm = _masked_mean(norms, ref[:, :, None].expand_as(norms), dim=1)  # [b kv]
-        factor = torch.where(norms > 0, ref_norm[:, None, :] / norms.clamp_min(1e-30), 1.0)  # zero stays zero
-        new = v * (scale * factor)[..., None]
-    return torch.where(sel[..., None], new, v)
-
-
-def sink_value_hooks(
-    model: Any,
-    *,
-    layers: int | Sequence[int] | None = None,
-    heads: int | Sequence[int] | None = None,
-    mode: AblationMode = "zero",
-    scale: float = 1.0,
-    sink_positions: int | Sequence[int] | None = None,
-    positions: Sequence[int] | Tensor | None = None,
-) -> list[FwdHook]:
-    """Hooks on ``hook_v`` that ablate the sink value in ``layers`` and ``heads`` (default: all).
-
-    Modes: ``"zero"`` sets ``v[s] = 0``; ``"mean_norm"`` rescales ``v[s]`` to ``scale`` times the mean
-    value-space norm of the non-sink positions of the same text and KV head (a zero vector stays
-    zero); ``"scale"`` multiplies ``v[s]`` by ``scale``; ``"unchanged"`` returns ``v`` untouched.
-    ``mode="scale", scale=1`` and ``"unchanged"`` are the identity.
-
-    GQA: ``hook_v`` is per KV head, so ablating head ``h`` ablates its whole KV group; see
-    :func:`kv_groups` / :func:`affected_heads` for the query heads that change.
-
-    ``positions`` replaces the sink set as the ablated positions (the random-position control):
-    shared ``[n]`` or per text ``[batch, n]`` (then the batch must match). The norm reference of
-    ``"mean_norm"`` excludes both the ablated positions and the sink set.
-    """
-    if mode not in _MODES:
-        raise ValueError(f"unknown ablation mode {mode!r}; choose from {list(_MODES)}")
-    if not np.isfinite(scale):
-        raise ValueError(f"scale must be finite, got {scale}")
-    sinks = resolve_sinks(sink_positions)
-    pos_t = torch.as_tensor(sinks if positions is None else positions, dtype=torch.long)
-    fn = partial(
-        _ablate_value,
-        kv_heads=sorted(kv_groups(model, heads)),
-        positions=pos_t,
-        sinks=sinks,
-        mode=mode,
-        scale=float(scale),
-    )
-    return [(hook_name(layer, "v"), fn) for layer in resolve_layers(model, layers)]
 
 
 def random_control_positions(
@@ -879,7 +686,7 @@ def cone_cos(geo: LayerGeometry, sinks: Sequence[int]) -> Float[Tensor, "batch h
     """``cos(o[i,h], mu_h)`` with ``mu_h`` the mean direction of the non-sink projected values (the
     "semantic cone"): ``mu_h = mean_{j ∉ S} vt[j,h]`` of the same text and pass. NaN where a norm is 0."""
     pos = geo.pattern.shape[-1]
-    nonsink = ~_sink_mask(sinks, pos, geo.pattern.device)
+    nonsink = ~sink_mask(sinks, pos, geo.pattern.device)
     mu = geo.projected_values[:, nonsink].mean(dim=1)  # [b h m]
     dots = einops.einsum(geo.head_out, mu, "b q h m, b h m -> b h q")
     den = geo.head_out_norm * mu.norm(dim=-1)[..., None]  # [b h q]
@@ -901,10 +708,10 @@ class _OutputMeter:
 
     def _on_layer(self, acts: LayerActivations, *, sl: slice) -> None:
         geo = LayerGeometry.from_activations(acts)
-        qmask = _query_mask(self.sinks, geo.pattern.shape[-1], geo.pattern.device)
+        qmask = query_mask(self.sinks, geo.pattern.shape[-1], geo.pattern.device)
         cos = cone_cos(geo, self.sinks)  # [b h q]
-        self.norm[sl, acts.layer] = _masked_mean(geo.head_out_norm, qmask.expand_as(cos), -1).cpu()
-        self.cone[sl, acts.layer] = _masked_mean(cos, qmask.expand_as(cos), -1).cpu()
+        self.norm[sl, acts.layer] = masked_mean(geo.head_out_norm, qmask.expand_as(cos), -1).cpu()
+        self.cone[sl, acts.layer] = masked_mean(cos, qmask.expand_as(cos), -1).cpu()
 
 
 _CONDITIONS = ("clean", "sink", "control")

@@ -34,6 +34,7 @@ from mechgeom.hooks import (
     FwdHook,
     LayerActivations,
     LayerCollector,
+    check_sink_positions,
     head_outputs,
     modified_pairs,
     run_hooks,
@@ -78,16 +79,9 @@ _SUMS = (
 
 
 def _check_sinks(sink_positions: int | Sequence[int], n_pos: int | None = None) -> tuple[int, ...]:
-    sinks = (
-        (int(sink_positions),) if isinstance(sink_positions, int) else tuple(int(p) for p in sink_positions)
-    )
-    if not sinks:
-        raise ValueError("sink_positions is empty; the taxonomy needs at least one sink position")
-    if any(p < 0 for p in sinks) or (n_pos is not None and any(p >= n_pos for p in sinks)):
-        raise IndexError(f"sink position(s) {list(sinks)} out of range for sequences of {n_pos} positions")
-    if len(set(sinks)) != len(sinks):
-        raise ValueError(f"duplicate sink positions in {list(sinks)}")
-    return sinks
+    """The sink set in the order given (the first one is the alignment's sink), checked by
+    :func:`mechgeom.hooks.check_sink_positions`."""
+    return check_sink_positions(sink_positions, n_pos)
 
 
 def source_winners(pattern: Pattern, v: Values) -> Int[Tensor, "batch head_index query_pos"]:

@@ -173,7 +173,9 @@ def test_no_hooks_left_after_exception(monkeypatch):
     def bad_replace(z, hook, **kwargs):
         raise RuntimeError("ablation failed")
 
-    monkeypatch.setattr(pruning, "_replace_z", bad_replace)
+    import mechgeom.hooks.interventions as interventions
+
+    monkeypatch.setattr(interventions, "replace_z_hook", bad_replace)  # the hook head_ablation_hooks builds
     for start_at_layer in (True, False):
         with pytest.raises(RuntimeError, match="ablation failed"):
             single_head_sweep(model, toks, heads=[(1, 2)], start_at_layer=start_at_layer)

@@ -1,4 +1,4 @@
-"""Hook factories and the shared tensor maths every analysis imports.
+"""Readers: the hook collector and the shared tensor maths every analysis imports.
 
 The public currency of mechgeom is the ``(hook_name, fn)`` pair, where ``fn`` is a TransformerLens
 hook ``(tensor, hook: HookPoint) -> tensor | None`` on ``blocks.{l}.attn.hook_pattern``, ``hook_v`` or
@@ -32,9 +32,11 @@ __all__ = [
     "LayerActivations",
     "LayerCollector",
     "TokensOrText",
+    "check_decoder",
     "check_index",
     "check_indices",
     "expand_kv",
+    "has_hooks",
     "head_outputs",
     "hook_name",
     "layer_W_O",

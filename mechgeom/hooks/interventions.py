@@ -1,0 +1,518 @@
+"""Every intervention factory: ``(hook_name, fn)`` pairs that change ``hook_pattern``, ``hook_v`` or ``hook_z``.
+
+One naming scheme: ``*_hooks(model, ...)`` builds the pairs for chosen layers and heads, and each pair's
+``fn`` is a ``*_hook(tensor, hook, **settings) -> tensor`` closure (shapes commented). They mix with
+``transformer_lens.patching`` hooks and mechgeom's readers in one ``run_with_hooks`` call; put them before
+the readers. SPEC.md defines each intervention:
+
+- source masking (paper A's faithfulness): :func:`masking_hooks` / :func:`mask_sources_hook` /
+  :func:`ranked_mask_hook`, with the ranking maths (:func:`rank_sources`, :func:`n_removed`,
+  :func:`removal_interval`, :func:`removal_mask`);
+- sink mass (the convexity curve): :func:`sink_mass_hooks` / :func:`set_sink_mass_hook`;
+- sink value (sink-norm ablation): :func:`sink_value_hooks` / :func:`ablate_value_hook`;
+- head removal (pruning): :func:`head_ablation_hooks` / :func:`replace_z_hook`.
+
+>>> removal_interval(0.5, "comprehensiveness", 4)[1].tolist()
+[1, 1, 2, 2]
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from functools import partial
+from typing import Any, Literal
+
+import numpy as np
+import torch
+from transformer_lens.hook_points import HookPoint
+
+from mechgeom.hooks.masks import masked_mean, query_mask, resolve_sinks, sink_mask
+from mechgeom.hooks.readers import FwdHook, hook_name, resolve_heads, resolve_layers
+from mechgeom.typing import Bool, Float, Int, Pattern, SourceRanks, Tensor, Z
+
+__all__ = [
+    "MODES",
+    "VALUE_ABLATION_MODES",
+    "Head",
+    "HeadAblationMode",
+    "ValueAblationMode",
+    "ablate_value_hook",
+    "affected_heads",
+    "check_mode",
+    "check_rate",
+    "head_ablation_hooks",
+    "kv_groups",
+    "mask_sources_hook",
+    "masking_hooks",
+    "n_kv_heads",
+    "n_removed",
+    "rank_sources",
+    "ranked_mask_hook",
+    "removal_interval",
+    "removal_mask",
+    "replace_z_hook",
+    "resolve_head_set",
+    "set_sink_mass_hook",
+    "sink_mass_hooks",
+    "sink_value_hooks",
+]
+
+
+# --------------------------------------------------------------------------- source masking (hook_pattern)
+
+
+#: The two interventions of paper A.
+MODES = ("comprehensiveness", "sufficiency")
+
+
+def check_rate(rate: float) -> float:
+    r = float(rate)
+    if not (0.0 <= r <= 1.0):  # also rejects NaN
+        raise ValueError(f"removal rate must be in [0, 1], got {rate!r}")
+    return r
+
+
+def check_mode(mode: str) -> str:
+    if mode not in MODES:
+        raise ValueError(f"unknown mode {mode!r}; choose from {list(MODES)}")
+    return mode
+
+
+def n_removed(rate: float, n_queries: int) -> Int[Tensor, " query_pos"]:
+    """Number of sources removed at each query: SPEC "at removal rate ``r``, remove ``ceil(r * (i+1))``
+    sources per query".
+
+    ``r * (i+1)`` is rounded to 9 decimals before the ceiling, so ``0.3 * 10`` counts 3.
+
+    >>> n_removed(0.5, 4).tolist()
+    [1, 1, 2, 2]
+    >>> n_removed(0.3, 10)[-1].item()
+    3
+    """
+    r = check_rate(rate)
+    count = np.arange(1, n_queries + 1, dtype=np.float64)
+    return torch.from_numpy(np.ceil(np.round(r * count, 9)).astype(np.int64))
+
+
+def removal_interval(
+    rate: float, mode: str, n_queries: int
+) -> tuple[Int[Tensor, " query_pos"], Int[Tensor, " query_pos"]]:
+    """The ranks ``[lo_i, hi_i)`` removed at each query ``i`` (rank 0 = top; query ``i`` ranks ``i+1`` sources).
+
+    - comprehensiveness (remove the top-ranked): ``[0, n_i)``
+    - sufficiency (remove the bottom-ranked): ``[i+1-n_i, i+1)``
+
+    >>> [t.tolist() for t in removal_interval(0.5, "sufficiency", 4)]
+    [[0, 1, 1, 2], [1, 2, 3, 4]]
+    """
+    check_mode(mode)
+    n = n_removed(rate, n_queries)
+    size = torch.arange(1, n_queries + 1)
+    if mode == "comprehensiveness":
+        return torch.zeros_like(n), n
+    return size - n, size
+
+
+def _rank_dtype(n_keys: int) -> torch.dtype:
+    if n_keys <= 256:
+        return torch.uint8
+    if n_keys <= 2**15:
+        return torch.int16
+    return torch.int32
+
+
+def rank_sources(
+    scores: Float[Tensor, "*batch query_pos key_pos"],
+) -> Int[Tensor, "*batch query_pos key_pos"]:
+    """The rank of each source within its query's ranking (0 = largest score), in a small integer dtype.
+
+    Only sources ``j <= i`` compete (``j > i`` get ranks ``i+1, i+2, ...``, never removed). Descending,
+    **stable** sort on the signed score: ties go to the lower position first; NaN ranks below every finite
+    value (NaN rows are ordered by position).
+
+    >>> rank_sources(torch.tensor([[1.0, 0.0, 0.0], [0.2, 0.5, 0.0], [0.3, 0.3, 0.4]])).tolist()
+    [[0, 1, 2], [1, 0, 2], [1, 2, 0]]
+    """
+    q, k = scores.shape[-2:]
+    if q > k:
+        raise ValueError(f"scores have more queries ({q}) than keys ({k})")
+    future = torch.ones(q, k, dtype=torch.bool, device=scores.device).triu(diagonal=1 + k - q)
+    s = torch.where(torch.isnan(scores) | future, torch.full_like(scores, -math.inf), scores)
+    order = torch.sort(s, dim=-1, descending=True, stable=True).indices
+    dtype = _rank_dtype(k)
+    ranks = torch.empty(order.shape, dtype=dtype, device=scores.device)
+    ranks.scatter_(
+        -1, order, torch.arange(k, device=scores.device, dtype=dtype).expand(order.shape).contiguous()
+    )
+    return ranks
+
+
+def removal_mask(
+    ranks: SourceRanks, rate: float, mode: str
+) -> Bool[Tensor, "batch rank_head query_pos key_pos"]:
+    """``True`` where a source is removed: ranks in :func:`removal_interval` of its query (never ``j > i``).
+
+    >>> r = rank_sources(torch.tensor([[[[1.0, 0.0], [0.2, 0.5]]]]))
+    >>> removal_mask(r, 0.5, "comprehensiveness")[0, 0].tolist()
+    [[True, False], [False, True]]
+    """
+    lo, hi = removal_interval(rate, mode, ranks.shape[-2])
+    return _interval_mask(ranks, lo.to(ranks.device)[:, None], hi.to(ranks.device)[:, None])
+
+
+def _interval_mask(ranks: Tensor, lo: Tensor, hi: Tensor) -> Tensor:
+    # ranks [batch rank_head q k]; lo, hi [q, 1]
+    mask = ranks < hi
+    if bool((lo > 0).any()):
+        mask &= ranks >= lo
+    return mask
+
+
+def _check_pattern_match(pattern: Tensor, other: Tensor, hook: HookPoint | None, what: str) -> None:
+    b, h, q, k = pattern.shape
+    ob, oh, oq, ok = other.shape
+    if ob != b or oq != q or ok != k or oh not in (1, h):
+        raise ValueError(
+            f"{what} of shape {tuple(other.shape)} does not fit the pattern {tuple(pattern.shape)} "
+            f"at {getattr(hook, 'name', 'hook_pattern')} (need [batch, head_index or 1, query_pos, key_pos])"
+        )
+
+
+def mask_sources_hook(
+    pattern: Pattern, hook: HookPoint, *, mask: Bool[Tensor, "batch head_or_1 query_pos key_pos"]
+) -> Pattern:
+    """``hook_pattern`` hook: ``alpha[h,i,j] = 0`` where ``mask`` is True, **no renormalisation**.
+
+    ``mask`` is ``[batch, head_index, q, k]`` or ``[batch, 1, q, k]`` (broadcast to heads).
+    """
+    # pattern: [batch, head_index, query_pos, key_pos]
+    _check_pattern_match(pattern, mask, hook, "mask")
+    return pattern.masked_fill(mask, 0.0)
+
+
+def ranked_mask_hook(
+    pattern: Pattern,
+    hook: HookPoint,
+    *,
+    ranks: SourceRanks,
+    lo: Int[Tensor, "query_pos 1"],
+    hi: Int[Tensor, "query_pos 1"],
+) -> Pattern:
+    """``hook_pattern`` hook: remove the sources whose clean rank lies in ``[lo_i, hi_i)``, no renormalisation.
+
+    The mask is built on the fly from the stored ranks (``[batch, head_index or 1, q, k]``); the ranks
+    come from the clean pass and are not recomputed here.
+    """
+    # pattern: [batch, head_index, query_pos, key_pos]; ranks: [batch, head_index | 1, query_pos, key_pos]
+    _check_pattern_match(pattern, ranks, hook, "ranks")
+    return pattern.masked_fill(_interval_mask(ranks, lo, hi), 0.0)
+
+
+def masking_hooks(
+    model: Any,
+    *,
+    mask: Tensor | dict[int, Tensor] | None = None,
+    ranking: Any = None,
+    rate: float | None = None,
+    mode: str = "comprehensiveness",
+    layers: int | Sequence[int] | None = None,
+) -> list[FwdHook]:
+    """``(hook_name, fn)`` pairs on ``blocks.{l}.attn.hook_pattern`` that remove (query, source) pairs.
+
+    Give either
+
+    - ``mask``: a boolean ``[batch, head_index, q, k]`` or ``[batch, q, k]`` (broadcast to heads) tensor,
+      True = remove, applied at every layer of ``layers`` (default: all); or a ``{layer: mask}`` dict; or
+    - ``ranking`` (a :class:`SourceRanking` from :func:`source_rankings`), ``rate`` in ``[0, 1]`` and
+      ``mode`` (``"comprehensiveness"`` removes the top ``ceil(rate * (i+1))`` sources of query ``i``,
+      ``"sufficiency"`` the bottom ones) at ``layers`` (default: every ranked layer). The clean ranking is
+      applied as is; the masked pass does not re-rank.
+
+    Removal sets ``alpha[h,i,j] = 0`` without renormalising. The pairs compose with any other hooks.
+    """
+    if (mask is None) == (ranking is None):
+        raise ValueError("give exactly one of mask= (explicit boolean mask) or ranking= (with rate and mode)")
+    hooks: list[FwdHook] = []
+    if mask is not None:
+        if rate is not None:
+            raise ValueError("rate applies to a ranking, not to an explicit mask")
+        masks = mask if isinstance(mask, dict) else dict.fromkeys(resolve_layers(model, layers), mask)
+        if isinstance(mask, dict):
+            resolve_layers(model, list(mask))
+            if layers is not None:
+                raise ValueError("give layers either as the keys of the mask dict or as layers=, not both")
+        for layer, m in masks.items():
+            if not isinstance(m, Tensor) or m.dtype != torch.bool:
+                raise TypeError(f"mask must be a boolean tensor, got {getattr(m, 'dtype', type(m))}")
+            if m.ndim == 3:
+                m = m[:, None]
+            if m.ndim != 4 or m.shape[-1] != m.shape[-2]:
+                raise ValueError(
+                    f"mask must be [batch, head_index, q, k] or [batch, q, k] with q == k, got {tuple(m.shape)}"
+                )
+            hooks.append((hook_name(layer, "pattern"), partial(mask_sources_hook, mask=m)))
+        return hooks
+    assert ranking is not None
+    if rate is None:
+        raise ValueError("a ranking needs a removal rate in [0, 1]")
+    check_mode(mode)
+    chosen = ranking.layers if layers is None else resolve_layers(model, layers)
+    missing = [la for la in chosen if la not in ranking.ranks]
+    if missing:
+        raise ValueError(f"layer(s) {missing} were not ranked; the ranking covers layers {ranking.layers}")
+    for layer in chosen:
+        ranks = ranking.ranks[layer]
+        lo, hi = removal_interval(rate, mode, ranks.shape[-2])
+        fn = partial(
+            ranked_mask_hook, ranks=ranks, lo=lo.to(ranks.device)[:, None], hi=hi.to(ranks.device)[:, None]
+        )
+        hooks.append((hook_name(layer, "pattern"), fn))
+    return hooks
+
+
+# --------------------------------------------------------------------------- sink mass (hook_pattern)
+
+
+#: Modes of the sink-value ablation (:func:`sink_value_hooks`).
+ValueAblationMode = Literal["zero", "mean_norm", "scale", "unchanged"]
+
+
+VALUE_ABLATION_MODES = ("zero", "mean_norm", "scale", "unchanged")
+
+
+def set_sink_mass_hook(
+    pattern: Pattern, hook: HookPoint, *, s: float, heads: list[int], sinks: list[int]
+) -> Pattern:
+    # pattern: [batch head q k]; for queries i in Q of the chosen heads: sink set -> total mass s
+    # (keeping the proportions inside the set), the other sources rescaled to total mass 1 - s.
+    pos = pattern.shape[-1]
+    sinks = resolve_sinks(sinks, pos)
+    is_sink = sink_mask(sinks, pos, pattern.device)  # [k]
+    qmask = query_mask(sinks, pos, pattern.device)  # [q]
+    sub = pattern[:, heads]  # [batch head' q k]
+    sink_mass = (sub * is_sink).sum(-1, keepdim=True)  # [batch head' q 1]
+    rest_mass = (sub * ~is_sink).sum(-1, keepdim=True)
+    ok = (sink_mass > 0) & (rest_mass > 0) & qmask[:, None]
+    scale = torch.where(
+        is_sink,
+        s / torch.where(sink_mass > 0, sink_mass, 1),
+        (1 - s) / torch.where(rest_mass > 0, rest_mass, 1),
+    )  # [batch head' q k]
+    out = pattern.clone()
+    out[:, heads] = torch.where(ok, sub * scale, sub)
+    return out
+
+
+def sink_mass_hooks(
+    model: Any,
+    s: float,
+    *,
+    layers: int | Sequence[int] | None = None,
+    heads: int | Sequence[int] | None = None,
+    sink_positions: int | Sequence[int] | None = None,
+) -> list[FwdHook]:
+    """Hooks on ``hook_pattern`` that set the sink mass of each query ``i in Q`` to ``s`` and rescale the
+    other sources to ``1 - s``: ``alpha'[i,s'] = s·alpha[i,s']/sum_S alpha`` on the sink set,
+    ``alpha'[i,j] = (1-s)·alpha[i,j]/sum_{∉S} alpha`` elsewhere. Then ``o'[i,h] = s vt_S[i] + (1-s) m[i]``,
+    the convexity curve. Rows with a zero sink or non-sink mass and queries outside ``Q`` are left as
+    they are. Only the chosen layers (default all) and heads (default all) change.
+    """
+    if not 0.0 <= float(s) <= 1.0:
+        raise ValueError(f"sink mass s must lie in [0, 1], got {s}")
+    fn = partial(
+        set_sink_mass_hook, s=float(s), heads=resolve_heads(model, heads), sinks=resolve_sinks(sink_positions)
+    )
+    return [(hook_name(layer, "pattern"), fn) for layer in resolve_layers(model, layers)]
+
+
+def n_kv_heads(model: Any) -> int:
+    cfg = model.cfg
+    if getattr(cfg, "ungroup_grouped_query_attention", False):
+        return int(cfg.n_heads)
+    return int(getattr(cfg, "n_key_value_heads", None) or cfg.n_heads)
+
+
+def kv_groups(model: Any, heads: int | Sequence[int] | None = None) -> dict[int, list[int]]:
+    """The KV heads behind ``heads`` and every query head that shares each of them.
+
+    ``hook_v`` holds one value per KV head (GQA), so ablating the value of query head ``h`` ablates
+    KV head ``h // (n_heads // n_kv)`` and with it the whole group. Without GQA each group is one head.
+    """
+    n_heads = int(model.cfg.n_heads)
+    group = n_heads // n_kv_heads(model)
+    kvs = sorted({h // group for h in resolve_heads(model, heads)})
+    return {kv: list(range(kv * group, (kv + 1) * group)) for kv in kvs}
+
+
+def affected_heads(model: Any, heads: int | Sequence[int] | None = None) -> list[int]:
+    """Every query head whose output a value ablation of ``heads`` changes (their whole KV groups)."""
+    return sorted(h for group in kv_groups(model, heads).values() for h in group)
+
+
+def _positions_mask(positions: Tensor, batch: int, pos: int) -> Tensor:
+    """``[batch, pos]`` bool from per-text positions ``[batch, n]`` (or shared ``[n]``)."""
+    if positions.ndim == 1:
+        positions = positions[None].expand(batch, -1)
+    if positions.shape[0] != batch:
+        raise ValueError(f"per-text positions have {positions.shape[0]} rows for a batch of {batch} texts")
+    if positions.numel() and (int(positions.min()) < 0 or int(positions.max()) >= pos):
+        raise ValueError(
+            f"ablated positions {positions.unique().tolist()} outside the sequence (length {pos})"
+        )
+    mask = torch.zeros(batch, pos, dtype=torch.bool, device=positions.device)
+    return mask.scatter(1, positions.long(), True)
+
+
+def ablate_value_hook(
+    v: Float[Tensor, "batch pos kv_head d_head"],
+    hook: HookPoint,
+    *,
+    kv_heads: list[int],
+    positions: Tensor,
+    sinks: list[int],
+    mode: str,
+    scale: float,
+) -> Float[Tensor, "batch pos kv_head d_head"]:
+    # v: [batch pos kv_head d_head] (not GQA-expanded). Ablate v[b, p, kv] for p in positions[b].
+    if mode == "unchanged":
+        return v
+    batch, pos, n_kv, _ = v.shape
+    if max(kv_heads) >= n_kv:
+        raise IndexError(f"KV head {max(kv_heads)} out of range for hook_v with {n_kv} KV heads")
+    target = _positions_mask(positions.to(v.device), batch, pos)  # [b pos]
+    kv_sel = torch.zeros(n_kv, dtype=torch.bool, device=v.device)
+    kv_sel[kv_heads] = True
+    sel = target[:, :, None] & kv_sel[None, None, :]  # [b pos kv]
+    if mode == "zero":
+        new = torch.zeros_like(v)
+    elif mode == "scale":
+        new = v * scale
+    else:  # mean_norm: the mean value-space norm of the positions neither ablated nor sinks
+        norms = v.norm(dim=-1)  # [b pos kv]
+        ref = ~target & ~sink_mask(sinks, pos, v.device)[None, :]  # [b pos]
+        ref_norm = masked_mean(norms, ref[:, :, None].expand_as(norms), dim=1)  # [b kv]
+        factor = torch.where(norms > 0, ref_norm[:, None, :] / norms.clamp_min(1e-30), 1.0)  # zero stays zero
+        new = v * (scale * factor)[..., None]
+    return torch.where(sel[..., None], new, v)
+
+
+def sink_value_hooks(
+    model: Any,
+    *,
+    layers: int | Sequence[int] | None = None,
+    heads: int | Sequence[int] | None = None,
+    mode: ValueAblationMode = "zero",
+    scale: float = 1.0,
+    sink_positions: int | Sequence[int] | None = None,
+    positions: Sequence[int] | Tensor | None = None,
+) -> list[FwdHook]:
+    """Hooks on ``hook_v`` that ablate the sink value in ``layers`` and ``heads`` (default: all).
+
+    Modes: ``"zero"`` sets ``v[s] = 0``; ``"mean_norm"`` rescales ``v[s]`` to ``scale`` times the mean
+    value-space norm of the non-sink positions of the same text and KV head (a zero vector stays
+    zero); ``"scale"`` multiplies ``v[s]`` by ``scale``; ``"unchanged"`` returns ``v`` untouched.
+    ``mode="scale", scale=1`` and ``"unchanged"`` are the identity.
+
+    GQA: ``hook_v`` is per KV head, so ablating head ``h`` ablates its whole KV group; see
+    :func:`kv_groups` / :func:`affected_heads` for the query heads that change.
+
+    ``positions`` replaces the sink set as the ablated positions (the random-position control):
+    shared ``[n]`` or per text ``[batch, n]`` (then the batch must match). The norm reference of
+    ``"mean_norm"`` excludes both the ablated positions and the sink set.
+    """
+    if mode not in VALUE_ABLATION_MODES:
+        raise ValueError(f"unknown ablation mode {mode!r}; choose from {list(VALUE_ABLATION_MODES)}")
+    if not np.isfinite(scale):
+        raise ValueError(f"scale must be finite, got {scale}")
+    sinks = resolve_sinks(sink_positions)
+    pos_t = torch.as_tensor(sinks if positions is None else positions, dtype=torch.long)
+    fn = partial(
+        ablate_value_hook,
+        kv_heads=sorted(kv_groups(model, heads)),
+        positions=pos_t,
+        sinks=sinks,
+        mode=mode,
+        scale=float(scale),
+    )
+    return [(hook_name(layer, "v"), fn) for layer in resolve_layers(model, layers)]
+
+
+# --------------------------------------------------------------------------- head removal (hook_z)
+
+
+#: A head, ``(layer, head)``.
+Head = tuple[int, int]
+
+
+#: Modes of head removal (:func:`head_ablation_hooks`).
+HeadAblationMode = Literal["zero", "mean"]
+
+
+def resolve_head_set(model: Any, heads: Iterable[Head]) -> dict[int, list[int]]:
+    """Validate a set of ``(layer, head)`` pairs and group it by layer (layers ascending, heads in given order).
+
+    Raises ``IndexError`` for a layer or head out of range, ``ValueError`` for a duplicate pair or a pair
+    that is not two integers.
+    """
+    by_layer: dict[int, list[int]] = {}
+    for pair in heads:
+        if len(pair) != 2:
+            raise ValueError(f"a head is a (layer, head) pair, got {pair!r}")
+        layer, head = int(pair[0]), int(pair[1])
+        by_layer.setdefault(layer, []).append(head)
+    if by_layer:
+        resolve_layers(model, sorted(by_layer))
+    for layer, hs in by_layer.items():
+        try:
+            resolve_heads(model, hs)
+        except ValueError as err:
+            raise ValueError(f"duplicate heads in layer {layer}: {err}") from None
+        except IndexError as err:
+            raise IndexError(f"layer {layer}: {err}") from None
+    return {layer: by_layer[layer] for layer in sorted(by_layer)}
+
+
+def replace_z_hook(z: Z, hook: HookPoint, *, heads: list[int], fill: Float[Tensor, "n d_head"] | None) -> Z:
+    """Replace ``z[:, :, heads]`` by zeros (``fill is None``) or by ``fill[k]`` at every position."""
+    # z: [batch pos head_index d_head]; fill: [len(heads) d_head], broadcast over batch and pos
+    out = z.clone()
+    if fill is None:
+        out[:, :, heads] = 0.0
+    else:
+        out[:, :, heads] = fill.to(device=out.device, dtype=out.dtype)
+    return out
+
+
+def head_ablation_hooks(
+    model: Any,
+    heads: Iterable[Head],
+    *,
+    mode: HeadAblationMode = "zero",
+    means: Any = None,
+) -> list[FwdHook]:
+    """``(hook_name, fn)`` pairs on ``blocks.{l}.attn.hook_z`` that remove the given heads.
+
+    ``mode="zero"`` sets ``z[:, :, h] = 0``; ``mode="mean"`` sets it to ``means[l, h]`` at every position
+    (``means`` is a :class:`HeadStats` or its ``z_mean`` tensor, see :func:`head_stats` for which positions
+    are averaged). An empty set gives no hooks. Raises ``IndexError``/``ValueError`` as
+    :func:`resolve_head_set`, and ``ValueError`` for a bad mode or missing/misshapen means.
+    """
+    by_layer = resolve_head_set(model, heads)
+    if mode not in ("zero", "mean"):
+        raise ValueError(f"mode must be 'zero' or 'mean', got {mode!r}")
+    z_mean: Tensor | None = None
+    if mode == "mean":
+        if means is None:
+            raise ValueError("mode='mean' needs means=head_stats(model, reference_tokens)")
+        z_mean = getattr(means, "z_mean", means)  # a HeadStats or its z_mean tensor
+        expected = (int(model.cfg.n_layers), int(model.cfg.n_heads), int(model.cfg.d_head))
+        if tuple(z_mean.shape) != expected:
+            raise ValueError(
+                f"means must have shape [layer, head, d_head] = {expected}, got {tuple(z_mean.shape)}"
+            )
+    hooks: list[FwdHook] = []
+    for layer, hs in by_layer.items():
+        fill = None if z_mean is None else z_mean[layer, hs].detach().clone()
+        hooks.append((hook_name(layer, "z"), partial(replace_z_hook, heads=list(hs), fill=fill)))
+    return hooks
