@@ -167,7 +167,10 @@ def test_items_and_work_functions_pickle_without_their_caches():
     pd.testing.assert_frame_equal(
         clone(model, Item(key=("clean", "clean", 0.0, 0), batch=(0, 1), data=())), rows
     )
-    head = pruning._HeadWork(random_tokens(2, 6), "zero", None, 8, True)
+    from mechgeom.models import is_bridge
+
+    # the start_at_layer path exists on a HookedTransformer only (single_head_sweep picks it the same way)
+    head = pruning._HeadWork(random_tokens(2, 6), "zero", None, 8, not is_bridge(model))
     head(model, Item(key=(1, 0)))
     assert pickle.loads(pickle.dumps(head))._cache == {}
     assert tokens_hash(random_tokens(2, 6)) != tokens_hash(random_tokens(2, 6, seed=1))
