@@ -1,7 +1,9 @@
 """mechgeom: geometry-aware attention analysis on TransformerLens.
 
 Every analysis is a set of hooks on ``blocks.{l}.attn.hook_pattern``, ``hook_v`` and ``hook_z``;
-the functions exported here are conveniences on top of those hooks.
+the functions exported here are conveniences on top of those hooks. The entry points of every analysis and
+every hook factory are exported here; the layers are ``mechgeom.hooks`` (readers and interventions), the
+analysis modules, ``mechgeom.viz`` (views and figures) and ``mechgeom.report`` (see ``docs/architecture.md``).
 """
 
 from mechgeom.contribution import (
@@ -10,16 +12,57 @@ from mechgeom.contribution import (
     contribution_weights,
     contribution_weights_from_cache,
 )
+from mechgeom.faithfulness import perplexity_curves, source_rankings, task_accuracy_curves
+from mechgeom.hooks import (
+    LayerCollector,
+    head_ablation_hooks,
+    mask_sources_hook,
+    masking_hooks,
+    modified_mask,
+    sink_mass_hooks,
+    sink_value_hooks,
+    to_tokens,
+)
 from mechgeom.models import list_models, load_model
+from mechgeom.pruning import head_orders, head_stats, retention_curves, single_head_sweep, task_accuracy
+from mechgeom.selection import SelectionCollector, token_selection, token_selection_from_cache
+from mechgeom.sinks import SinkCollector, convexity_by_intervention, sink_ablation, sink_statistics
+from mechgeom.taxonomy import TaxonomyCollector, classify_heads, classify_heads_from_cache
 
 __version__ = "0.1.0"
 
 __all__ = [
     "ContributionCollector",
     "ContributionResult",
+    "LayerCollector",
+    "SelectionCollector",
+    "SinkCollector",
+    "TaxonomyCollector",
     "__version__",
+    "classify_heads",
+    "classify_heads_from_cache",
     "contribution_weights",
     "contribution_weights_from_cache",
+    "convexity_by_intervention",
+    "head_ablation_hooks",
+    "head_orders",
+    "head_stats",
     "list_models",
     "load_model",
+    "mask_sources_hook",
+    "masking_hooks",
+    "modified_mask",
+    "perplexity_curves",
+    "retention_curves",
+    "single_head_sweep",
+    "sink_ablation",
+    "sink_mass_hooks",
+    "sink_statistics",
+    "sink_value_hooks",
+    "source_rankings",
+    "task_accuracy",
+    "task_accuracy_curves",
+    "to_tokens",
+    "token_selection",
+    "token_selection_from_cache",
 ]
