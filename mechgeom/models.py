@@ -50,7 +50,6 @@ __all__ = [
     "TL_VERSION",
     "Backend",
     "ModelSpec",
-    "b_O",
     "cache_dir",
     "default_backend",
     "gguf_path",
@@ -533,12 +532,3 @@ def is_bridge(model: Any) -> bool:
     from transformer_lens.model_bridge import TransformerBridge
 
     return isinstance(model, TransformerBridge)
-
-
-def b_O(model: Any, layer: int) -> torch.Tensor:
-    """``model.b_O[layer]``, or zeros where the model has no output bias (a bridge over LLaMA)."""
-    block = model.blocks[layer].attn
-    bias = getattr(block, "b_O", None)
-    if isinstance(bias, torch.Tensor):
-        return bias
-    return torch.zeros(model.cfg.d_model, dtype=model.W_O.dtype, device=model.W_O.device)

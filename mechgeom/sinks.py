@@ -52,7 +52,6 @@ from mechgeom._progress import progress
 from mechgeom.contribution import LayerGeometry
 from mechgeom.evaluation import bootstrap_ci, text_nll
 from mechgeom.hooks import (
-    VALUE_ABLATION_MODES,
     FwdHook,
     LayerActivations,
     LayerCollector,
@@ -62,6 +61,7 @@ from mechgeom.hooks import (
     kv_groups,
     masked_mean,
     modified_pairs,
+    n_kv_heads,
     query_mask,
     resolve_heads,
     resolve_layers,
@@ -111,7 +111,6 @@ FACTORS = ("alpha", "ratio", "cos")
 GROUPS = ("sink", "tail")
 #: The sink-value ablation modes (defined with the intervention in :mod:`mechgeom.hooks.interventions`).
 AblationMode = ValueAblationMode
-_MODES = VALUE_ABLATION_MODES
 # layout of the last axis of the factor moment sums
 _MOMENTS = ("n", "x_alpha", "x_ratio", "x_cos", "L", "x_alpha_L", "x_ratio_L", "x_cos_L", "L_L")
 
@@ -601,7 +600,7 @@ class SinkCollector:
             for k in keys
         }
         cfg = self.model.cfg
-        n_kv = int(getattr(cfg, "n_key_value_heads", None) or cfg.n_heads)
+        n_kv = n_kv_heads(self.model)
         return SinkResult(
             layers=list(self.layers),
             sink_positions=list(self.sinks),

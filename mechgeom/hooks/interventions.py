@@ -326,6 +326,9 @@ def sink_mass_hooks(
     return [(hook_name(layer, "pattern"), fn) for layer in resolve_layers(model, layers)]
 
 
+# --------------------------------------------------------------------------- sink value (hook_v)
+
+
 def n_kv_heads(model: Any) -> int:
     cfg = model.cfg
     if getattr(cfg, "ungroup_grouped_query_attention", False):
