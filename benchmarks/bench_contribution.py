@@ -96,7 +96,7 @@ def run_cache(model: Any, tokens: Any) -> Any:
 
 
 def run_mechgeom(model: Any, tokens: Any, reuse_buffers: bool = False) -> int:
-    from mechgeom.contribution import ContributionCollector
+    from mechgeom.analyses.contribution import ContributionCollector
     from mechgeom.hooks import run_hooks
 
     seen: list[int] = []

@@ -1,6 +1,6 @@
 """Masked forward passes vs plain forward passes, side by side in one process (SmolLM2 by default).
 
-The masked pass is what :func:`mechgeom.faithfulness.perplexity_curves` runs for every (metric, mode,
+The masked pass is what :func:`mechgeom.analyses.faithfulness.perplexity_curves` runs for every (metric, mode,
 rate): a forward-only pass with the ``hook_pattern`` masking hooks on every layer, the boolean mask built
 on the fly from the stored clean ranks. The plain pass is the same batched forward without hooks. Passes
 are interleaved (plain, masked, plain, masked, ...) so that load from other processes hits both alike.
@@ -35,8 +35,13 @@ def main() -> None:
         torch.set_num_threads(args.threads)
 
     from mechgeom import load_model
+    from mechgeom.analyses.faithfulness import (
+        FAITHFULNESS_METRICS,
+        _target_logprob,
+        masking_hooks,
+        source_rankings,
+    )
     from mechgeom.data import load_corpus
-    from mechgeom.faithfulness import FAITHFULNESS_METRICS, _target_logprob, masking_hooks, source_rankings
 
     model = load_model(args.model)
     tokens = load_corpus("wikitext2", model, n_texts=args.batch, seq_len=args.seq_len, seed=0)

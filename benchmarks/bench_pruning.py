@@ -38,9 +38,9 @@ def main() -> None:
         torch.set_num_threads(args.threads)
 
     from mechgeom import load_model
+    from mechgeom.analyses.evaluation import text_nll
+    from mechgeom.analyses.pruning import single_head_sweep
     from mechgeom.data import load_corpus
-    from mechgeom.evaluation import text_nll
-    from mechgeom.pruning import single_head_sweep
 
     model = load_model(args.model)
     tokens = load_corpus("wikitext2", model, n_texts=args.n_texts, seq_len=args.seq_len, seed=0)

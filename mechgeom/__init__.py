@@ -6,13 +6,23 @@ every hook factory are exported here; the layers are ``mechgeom.hooks`` (readers
 analysis modules, ``mechgeom.viz`` (views and figures) and ``mechgeom.report`` (see ``docs/architecture.md``).
 """
 
-from mechgeom.contribution import (
+from mechgeom.analyses.contribution import (
     ContributionCollector,
     ContributionResult,
     contribution_weights,
     contribution_weights_from_cache,
 )
-from mechgeom.faithfulness import perplexity_curves, source_rankings, task_accuracy_curves
+from mechgeom.analyses.faithfulness import perplexity_curves, source_rankings, task_accuracy_curves
+from mechgeom.analyses.pruning import (
+    head_orders,
+    head_stats,
+    retention_curves,
+    single_head_sweep,
+    task_accuracy,
+)
+from mechgeom.analyses.selection import SelectionCollector, token_selection, token_selection_from_cache
+from mechgeom.analyses.sinks import SinkCollector, convexity_by_intervention, sink_ablation, sink_statistics
+from mechgeom.analyses.taxonomy import TaxonomyCollector, classify_heads, classify_heads_from_cache
 from mechgeom.hooks import (
     LayerCollector,
     head_ablation_hooks,
@@ -24,10 +34,6 @@ from mechgeom.hooks import (
     to_tokens,
 )
 from mechgeom.models import list_models, load_model
-from mechgeom.pruning import head_orders, head_stats, retention_curves, single_head_sweep, task_accuracy
-from mechgeom.selection import SelectionCollector, token_selection, token_selection_from_cache
-from mechgeom.sinks import SinkCollector, convexity_by_intervention, sink_ablation, sink_statistics
-from mechgeom.taxonomy import TaxonomyCollector, classify_heads, classify_heads_from_cache
 
 __version__ = "0.1.0"
 

@@ -178,7 +178,7 @@ def _cmd_report(args: argparse.Namespace) -> int:
 
 
 def _cmd_contributions(args: argparse.Namespace) -> int:
-    from mechgeom.contribution import contribution_weights
+    from mechgeom.analyses.contribution import contribution_weights
     from mechgeom.hooks import resolve_heads, resolve_layers
     from mechgeom.models import load_model
 

@@ -351,7 +351,7 @@ def contributions_html(
 ) -> Path:
     """One self-contained HTML page with a :func:`mechgeom.viz.layer_view` (attention and contribution
     weights of every head, and the whole layer) per analysed layer of a
-    :class:`~mechgeom.contribution.ContributionResult`; circuitsvis' bundle is inlined once.
+    :class:`~mechgeom.analyses.contribution.ContributionResult`; circuitsvis' bundle is inlined once.
 
     ``heads`` shows one :func:`~mechgeom.viz.head_view` per chosen head instead.
     """
@@ -467,7 +467,7 @@ def _heatmaps(df: pd.DataFrame, cols: Sequence[tuple[str, str]]) -> Any:
 
 def _run_contributions(ctx: _Context, p: dict[str, Any]) -> StageOutput:
     from mechgeom import viz
-    from mechgeom.contribution import ContributionCollector, ContributionResult
+    from mechgeom.analyses.contribution import ContributionCollector, ContributionResult
     from mechgeom.hooks import run_hooks
 
     model = ctx.model
@@ -553,7 +553,7 @@ def _run_contributions(ctx: _Context, p: dict[str, Any]) -> StageOutput:
 
 
 def _faithfulness_params(s: ReportSettings) -> dict[str, Any]:
-    from mechgeom.faithfulness import FAITHFULNESS_METRICS, MODES
+    from mechgeom.analyses.faithfulness import FAITHFULNESS_METRICS, MODES
 
     rates = [0.0, 0.3, 0.6] if s.quick else [0.0, 0.2, 0.4, 0.6, 0.8]
     return {
@@ -597,7 +597,7 @@ def faithfulness_order(frame: pd.DataFrame, claimed: Sequence[str]) -> list[str]
 
 
 def _run_faithfulness(ctx: _Context, p: dict[str, Any]) -> StageOutput:
-    from mechgeom.faithfulness import perplexity_curves
+    from mechgeom.analyses.faithfulness import perplexity_curves
     from mechgeom.viz import plot_curves
 
     partial = ctx.partial_path("faithfulness", ".csv")
@@ -641,7 +641,7 @@ def _sinks_params(s: ReportSettings) -> dict[str, Any]:
 
 
 def _run_sinks(ctx: _Context, p: dict[str, Any]) -> StageOutput:
-    from mechgeom.sinks import convexity_by_intervention, sink_ablation, sink_statistics
+    from mechgeom.analyses.sinks import convexity_by_intervention, sink_ablation, sink_statistics
     from mechgeom.viz import (
         plot_cone_shift,
         plot_convexity_curves,
@@ -753,7 +753,7 @@ def _selection_figure(df: pd.DataFrame, params: pd.DataFrame) -> Any:
 
 
 def _run_selection(ctx: _Context, p: dict[str, Any]) -> StageOutput:
-    from mechgeom.selection import token_selection
+    from mechgeom.analyses.selection import token_selection
 
     model = ctx.model
     n_layers = int(model.cfg.n_layers)
@@ -795,8 +795,8 @@ def _taxonomy_params(s: ReportSettings) -> dict[str, Any]:
 
 
 def _run_taxonomy(ctx: _Context, p: dict[str, Any]) -> StageOutput:
+    from mechgeom.analyses.taxonomy import classify_heads, label_agreement, regime_summary
     from mechgeom.data import load_corpus
-    from mechgeom.taxonomy import classify_heads, label_agreement, regime_summary
     from mechgeom.viz import plot_regime_grid
 
     model, s = ctx.model, ctx.settings
@@ -859,14 +859,16 @@ def _pruning_params(s: ReportSettings) -> dict[str, Any]:
 
 def _run_pruning(ctx: _Context, p: dict[str, Any]) -> StageOutput:
 
-    from mechgeom.pruning import head_orders, head_stats, retention_curves, single_head_sweep
-    from mechgeom.taxonomy import classify_heads
+    from mechgeom.analyses.pruning import head_orders, head_stats, retention_curves, single_head_sweep
+    from mechgeom.analyses.taxonomy import classify_heads
     from mechgeom.viz import plot_retention
 
     model, tokens = ctx.model, ctx.tokens[: p["n_texts"]]
     stats = head_stats(model, tokens, verbose=ctx.verbose)
     taxonomy = (
-        classify_heads(model, tokens).to_frame() if _module_missing("mechgeom.taxonomy") is None else None
+        classify_heads(model, tokens).to_frame()
+        if _module_missing("mechgeom.analyses.taxonomy") is None
+        else None
     )
     sweep = None
     tables: dict[str, pd.DataFrame] = {}
@@ -923,7 +925,7 @@ STAGES: tuple[Stage, ...] = (
     Stage(
         "faithfulness",
         "Faithfulness curves",
-        "mechgeom.faithfulness",
+        "mechgeom.analyses.faithfulness",
         _faithfulness_params,
         _run_faithfulness,
         "Remove each query's top- (comprehensiveness) or bottom-ranked (sufficiency) sources by each metric "
@@ -932,7 +934,7 @@ STAGES: tuple[Stage, ...] = (
     Stage(
         "sinks",
         "Sinks, convexity and sink-norm ablation",
-        "mechgeom.sinks",
+        "mechgeom.analyses.sinks",
         _sinks_params,
         _run_sinks,
         "Sink rate and value norms, anti-alignment with the non-sink mean, the convex norm curve ‖o(s)‖ "
@@ -941,7 +943,7 @@ STAGES: tuple[Stage, ...] = (
     Stage(
         "selection",
         "Token-selection geometry",
-        "mechgeom.selection",
+        "mechgeom.analyses.selection",
         _selection_params,
         _run_selection,
         "Extreme F-scores of top-N source sets vs random sets and without the sink, the inversion "
@@ -950,7 +952,7 @@ STAGES: tuple[Stage, ...] = (
     Stage(
         "taxonomy",
         "Head taxonomy",
-        "mechgeom.taxonomy",
+        "mechgeom.analyses.taxonomy",
         _taxonomy_params,
         _run_taxonomy,
         "Parameter-free source-winner labels: Retriever (current token wins), Mixer (sink wins), "
@@ -959,7 +961,7 @@ STAGES: tuple[Stage, ...] = (
     Stage(
         "pruning",
         "Head pruning",
-        "mechgeom.pruning",
+        "mechgeom.analyses.pruning",
         _pruning_params,
         _run_pruning,
         "Perplexity as heads are removed (zeroing hook_z) in taxonomy, weight-magnitude, entropy, random "

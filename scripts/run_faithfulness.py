@@ -1,8 +1,8 @@
 """Causal faithfulness on real text: ΔPPL curves (comprehensiveness, sufficiency) and downstream accuracy.
 
-For each corpus (WikiText-2, GSM8K windows), :func:`mechgeom.faithfulness.perplexity_curves` masks the
+For each corpus (WikiText-2, GSM8K windows), :func:`mechgeom.analyses.faithfulness.perplexity_curves` masks the
 top/bottom ``ceil(rate * (i+1))`` sources of every query in every layer by each metric's clean ranking.
-Then a small :func:`mechgeom.faithfulness.task_accuracy_curves` sweep on BoolQ/Winogrande/MMLU items.
+Then a small :func:`mechgeom.analyses.faithfulness.task_accuracy_curves` sweep on BoolQ/Winogrande/MMLU items.
 
 Writes under ``<out>/<model>/``:
 
@@ -34,14 +34,14 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from mechgeom import load_model
 from mechgeom._io import atomic_write
-from mechgeom.data import load_corpus, load_task
-from mechgeom.faithfulness import (
+from mechgeom.analyses.faithfulness import (
     DEFAULT_RATES,
     FAITHFULNESS_METRICS,
     MODES,
     perplexity_curves,
     task_accuracy_curves,
 )
+from mechgeom.data import load_corpus, load_task
 from mechgeom.viz import plot_curves
 
 #: Paper A's claimed faithfulness order, least to most faithful.

@@ -38,9 +38,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from mechgeom import load_model
 from mechgeom._io import atomic_write, write_frame
-from mechgeom.data import load_corpus, load_task
-from mechgeom.evaluation import text_nll
-from mechgeom.pruning import (
+from mechgeom.analyses.evaluation import text_nll
+from mechgeom.analyses.pruning import (
     ORDERS,
     head_ablation_hooks,
     head_orders,
@@ -49,17 +48,18 @@ from mechgeom.pruning import (
     single_head_sweep,
     weight_magnitude,
 )
+from mechgeom.data import load_corpus, load_task
 from mechgeom.viz import plot_retention
 
 log = logging.getLogger("run_pruning")
 
 
 def _taxonomy_table(model: Any, tokens: torch.Tensor) -> pd.DataFrame | None:
-    """Per-head labels from :mod:`mechgeom.taxonomy` when that module exists, else None."""
+    """Per-head labels from :mod:`mechgeom.analyses.taxonomy` when that module exists, else None."""
     try:
-        from mechgeom.taxonomy import classify_heads  # type: ignore[import-not-found]
+        from mechgeom.analyses.taxonomy import classify_heads  # type: ignore[import-not-found]
     except ImportError:
-        log.warning("mechgeom.taxonomy is not available: the taxonomy order is skipped")
+        log.warning("mechgeom.analyses.taxonomy is not available: the taxonomy order is skipped")
         return None
     frame = classify_heads(model, tokens).to_frame()
     return frame.drop_duplicates(["layer", "head"]).reset_index(drop=True)

@@ -4,7 +4,7 @@ Writes under ``<out>/<model>/``:
 
 - ``selection_heads.csv``: per (layer, head, N) mean F_N of the top-N set, of random N-subsets, without the
   sink, the certificate, the sink-aware bound and its constant-norm prediction
-  (:meth:`mechgeom.selection.SelectionResult.to_frame`);
+  (:meth:`mechgeom.analyses.selection.SelectionResult.to_frame`);
 - ``selection_by_n.csv``: the same averaged over heads, per N (the top-N vs random table);
 - ``sink_effect.csv``: per N, over the queries whose I_N holds the sink: F_N with it vs without position 0;
 - ``bound_params.csv``: fitted regime parameters per head and whether the regime holds;
@@ -32,14 +32,14 @@ import torch
 
 from mechgeom import load_model
 from mechgeom._io import atomic_write, write_frame
-from mechgeom.data import load_corpus
-from mechgeom.selection import SelectionResult, token_selection
-from mechgeom.taxonomy import (
+from mechgeom.analyses.selection import SelectionResult, token_selection
+from mechgeom.analyses.taxonomy import (
     classify_heads,
     label_agreement,
     label_distribution,
     regime_summary,
 )
+from mechgeom.data import load_corpus
 from mechgeom.viz import plot_regime_grid, save_png
 
 

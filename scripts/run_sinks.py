@@ -2,7 +2,7 @@
 
 Writes under ``<out>/<model>/``:
 
-- ``heads.csv``: per (layer, head, sink) statistics (:meth:`mechgeom.sinks.SinkResult.to_frame`);
+- ``heads.csv``: per (layer, head, sink) statistics (:meth:`mechgeom.analyses.sinks.SinkResult.to_frame`);
 - ``convexity_check.csv``: closed-form vs intervention ``‖o(s)‖`` for a few heads;
 - ``ablation_all_layers_<mode>.csv``: per-head changes when the sink value is ablated in every layer and head;
 - ``ablation_summary.csv``: one row per ablation (all layers, then each layer alone) with ΔPPL and controls;
@@ -27,13 +27,13 @@ import torch
 from mechgeom import load_model
 from mechgeom._io import atomic_write, write_frame
 from mechgeom._progress import progress
-from mechgeom.data import load_corpus
-from mechgeom.sinks import (
+from mechgeom.analyses.sinks import (
     SinkResult,
     convexity_by_intervention,
     sink_ablation,
     sink_statistics,
 )
+from mechgeom.data import load_corpus
 from mechgeom.viz import (
     plot_cone_shift,
     plot_convexity_curves,

@@ -18,9 +18,9 @@ import torch
 from matplotlib.figure import Figure
 
 from mechgeom._io import atomic_write
-from mechgeom.faithfulness import MODES
-from mechgeom.sinks import SinkAblationResult, SinkResult, convex_norm
-from mechgeom.taxonomy import LABELS, REGIME_COLORS, _check_table
+from mechgeom.analyses.faithfulness import MODES
+from mechgeom.analyses.sinks import SinkAblationResult, SinkResult, convex_norm
+from mechgeom.analyses.taxonomy import LABELS, REGIME_COLORS, _check_table
 from mechgeom.typing import Tensor
 
 __all__ = [
@@ -45,7 +45,7 @@ def save_png(fig: Figure, path: str | Path, *, dpi: int = 100) -> Path:
     return path
 
 
-# --------------------------------------------------------------------------- faithfulness (mechgeom.faithfulness)
+# --------------------------------------------------------------------------- faithfulness (mechgeom.analyses.faithfulness)
 
 
 def plot_curves(
@@ -114,7 +114,7 @@ def plot_curves(
     return fig
 
 
-# --------------------------------------------------------------------------- sinks (mechgeom.sinks)
+# --------------------------------------------------------------------------- sinks (mechgeom.analyses.sinks)
 
 
 def _new_axes(ax: Any, figsize: tuple[float, float]) -> tuple[Figure, Any]:
@@ -217,7 +217,7 @@ def plot_cone_shift(ablation: SinkAblationResult, *, ax: Any = None) -> Figure:
     return fig
 
 
-# --------------------------------------------------------------------------- taxonomy (mechgeom.taxonomy)
+# --------------------------------------------------------------------------- taxonomy (mechgeom.analyses.taxonomy)
 
 
 def plot_regime_grid(table: pd.DataFrame, *, ax: Any = None, title: str | None = None) -> Any:
@@ -258,7 +258,7 @@ def plot_regime_grid(table: pd.DataFrame, *, ax: Any = None, title: str | None =
     return fig
 
 
-# --------------------------------------------------------------------------- pruning (mechgeom.pruning)
+# --------------------------------------------------------------------------- pruning (mechgeom.analyses.pruning)
 
 
 def plot_retention(frame: pd.DataFrame, path: str | Path | None = None, *, title: str = "") -> Figure:

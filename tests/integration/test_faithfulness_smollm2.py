@@ -8,9 +8,9 @@ import pandas as pd
 import pytest
 import torch
 
-from mechgeom import faithfulness as fa
+from mechgeom.analyses import faithfulness as fa
+from mechgeom.analyses.evaluation import perplexity
 from mechgeom.data import load_task
-from mechgeom.evaluation import perplexity
 from mechgeom.hooks import has_hooks, run_hooks
 
 pytestmark = pytest.mark.integration

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 import mechgeom
+from mechgeom.analyses.evaluation import perplexity
 from mechgeom.data import load_corpus
-from mechgeom.evaluation import perplexity
 from mechgeom.models import cache_dir, default_backend, gguf_path, load_model
 
 TEXTS = [

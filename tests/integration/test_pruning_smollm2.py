@@ -7,10 +7,8 @@ import math
 import pytest
 import torch
 
-from mechgeom.data import load_task
-from mechgeom.evaluation import perplexity
-from mechgeom.hooks import has_hooks
-from mechgeom.pruning import (
+from mechgeom.analyses.evaluation import perplexity
+from mechgeom.analyses.pruning import (
     head_ablation_hooks,
     head_stats,
     magnitude_order,
@@ -19,6 +17,8 @@ from mechgeom.pruning import (
     single_head_sweep,
     weight_magnitude,
 )
+from mechgeom.data import load_task
+from mechgeom.hooks import has_hooks
 
 pytestmark = pytest.mark.integration
 

@@ -7,9 +7,9 @@ import math
 import pytest
 import torch
 
+from mechgeom.analyses.selection import token_selection, token_selection_from_cache
+from mechgeom.analyses.taxonomy import classify_heads, classify_heads_from_cache, regime_summary
 from mechgeom.hooks import has_hooks
-from mechgeom.selection import token_selection, token_selection_from_cache
-from mechgeom.taxonomy import classify_heads, classify_heads_from_cache, regime_summary
 
 pytestmark = pytest.mark.integration
 

@@ -1,4 +1,4 @@
-"""mechgeom.sinks on SmolLM2-135M: references, the convexity intervention, GQA ablation, real-model sink geometry."""
+"""mechgeom.analyses.sinks on SmolLM2-135M: references, the convexity intervention, GQA ablation, real-model sink geometry."""
 
 from __future__ import annotations
 
@@ -8,8 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from mechgeom.hooks import LayerCollector, hook_name, run_hooks
-from mechgeom.sinks import (
+from mechgeom.analyses.sinks import (
     SinkResult,
     affected_heads,
     convexity_by_intervention,
@@ -17,6 +16,7 @@ from mechgeom.sinks import (
     sink_statistics,
     sink_value_hooks,
 )
+from mechgeom.hooks import LayerCollector, hook_name, run_hooks
 
 pytestmark = pytest.mark.integration
 

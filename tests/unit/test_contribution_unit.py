@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from reference_contribution import acts_of, assert_all_metrics_match, brute_force
 from transformer_lens.patching import layer_head_pattern_patch_setter, layer_head_vector_patch_setter
 
-from mechgeom.contribution import (
+from mechgeom.analyses.contribution import (
     INTER_METRICS,
     INTRA_METRICS,
     ContributionCollector,

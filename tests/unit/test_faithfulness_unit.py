@@ -1,4 +1,4 @@
-"""Masking interventions, rankings and the resumable sweeps of mechgeom.faithfulness on tiny models.
+"""Masking interventions, rankings and the resumable sweeps of mechgeom.analyses.faithfulness on tiny models.
 
 References are built by hand: per-query rankings by Python ``sorted`` over explicit loops, counts with
 exact fractions, and perplexities/accuracies from plain forward passes.
@@ -18,11 +18,11 @@ from conftest import make_tiny, random_tokens
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mechgeom import faithfulness as fa
 from mechgeom import viz
-from mechgeom.contribution import contribution_weights
+from mechgeom.analyses import faithfulness as fa
+from mechgeom.analyses.contribution import contribution_weights
+from mechgeom.analyses.evaluation import perplexity, text_nll
 from mechgeom.data import TaskItem
-from mechgeom.evaluation import perplexity, text_nll
 from mechgeom.hooks import has_hooks, run_hooks
 
 GEO_METRICS = ("attention", "value_weighted", "value_weighted_normalized", "contribution")

@@ -14,9 +14,24 @@ import pytest
 import mechgeom
 
 PKG = Path(mechgeom.__file__).parent
-ANALYSES = {"contribution", "faithfulness", "sinks", "selection", "taxonomy", "pruning", "evaluation"}
 BELOW_HOOKS = {"typing", "_io", "_progress", "sweep", "models", "data"}
 PRESENTATION = ("mechgeom.viz", "mechgeom.report", "mechgeom.cli")
+
+
+def layer_of(module: str) -> str | None:
+    """``below``, ``hooks``, ``analyses`` or ``presentation`` for a mechgeom module; ``None`` otherwise."""
+    if not module.startswith("mechgeom."):
+        return None
+    short = module.removeprefix("mechgeom.")
+    if short.split(".")[0] in BELOW_HOOKS:
+        return "below"
+    if short == "hooks" or short.startswith("hooks."):
+        return "hooks"
+    if short == "analyses" or short.startswith("analyses."):
+        return "analyses"
+    if module.startswith(PRESENTATION):
+        return "presentation"
+    return None
 
 
 def imports_of(source: str) -> set[str]:
@@ -41,18 +56,18 @@ def module_imports() -> dict[str, set[str]]:
 
 
 def violations(name: str, imported: set[str]) -> list[str]:
-    short = name.removeprefix("mechgeom.")
+    layer = layer_of(name)
     bad = []
     for mod in imported:
-        top = mod.split(".")[0]
-        if short in ANALYSES | BELOW_HOOKS | {"hooks"}:
-            if top == "matplotlib":
+        target = layer_of(mod)
+        if layer in ("below", "hooks", "analyses"):
+            if mod.split(".")[0] == "matplotlib":
                 bad.append(f"{name} imports {mod} (figures live in mechgeom.viz)")
-            if mod.startswith(PRESENTATION):
+            if target == "presentation":
                 bad.append(f"{name} imports {mod} (a higher layer)")
-        if short in BELOW_HOOKS | {"hooks"} and mod.removeprefix("mechgeom.") in ANALYSES:
+        if layer in ("below", "hooks") and target == "analyses":
             bad.append(f"{name} imports the analysis {mod}")
-        if short in BELOW_HOOKS and mod == "mechgeom.hooks":
+        if layer == "below" and target == "hooks":
             bad.append(f"{name} imports {mod} (hooks sit above it)")
         if name.startswith("mechgeom.viz") and mod.startswith(("mechgeom.report", "mechgeom.cli")):
             bad.append(f"{name} imports {mod} (report composes viz, not the reverse)")
@@ -61,7 +76,8 @@ def violations(name: str, imported: set[str]) -> list[str]:
 
 def test_every_layer_imports_only_the_layers_below() -> None:
     mods = module_imports()
-    assert {"mechgeom.hooks", "mechgeom.contribution", "mechgeom.viz.figures"} <= set(mods)
+    assert {"mechgeom.hooks.readers", "mechgeom.analyses.contribution", "mechgeom.viz.figures"} <= set(mods)
+    assert {layer_of(m) for m in mods} >= {"below", "hooks", "analyses", "presentation"}
     bad = [v for name, imported in mods.items() for v in violations(name, imported)]
     assert not bad, "\n".join(bad)
 
@@ -98,12 +114,12 @@ def test_no_import_cycle_between_mechgeom_modules() -> None:
 @pytest.mark.parametrize(
     ("name", "source", "needle"),
     [
-        ("mechgeom.sinks", "def f():\n    import matplotlib.pyplot as plt\n", "matplotlib.pyplot"),
-        ("mechgeom.pruning", "from mechgeom import report\n", "mechgeom.report"),
+        ("mechgeom.analyses.sinks", "def f():\n    import matplotlib.pyplot as plt\n", "matplotlib.pyplot"),
+        ("mechgeom.analyses.pruning", "from mechgeom import report\n", "mechgeom.report"),
         (
-            "mechgeom.hooks",
-            "from mechgeom.contribution import LayerGeometry\n",
-            "analysis mechgeom.contribution",
+            "mechgeom.hooks.interventions",
+            "from mechgeom.analyses.contribution import LayerGeometry\n",
+            "analysis mechgeom.analyses.contribution",
         ),
         ("mechgeom.viz.views", "from mechgeom.report import build_report\n", "report composes viz"),
     ],

@@ -14,11 +14,9 @@ from conftest import make_tiny, needs_hooked, random_tokens
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import mechgeom.pruning as pruning
-from mechgeom.data import TaskItem
-from mechgeom.evaluation import perplexity, text_nll
-from mechgeom.hooks import has_hooks
-from mechgeom.pruning import (
+import mechgeom.analyses.pruning as pruning
+from mechgeom.analyses.evaluation import perplexity, text_nll
+from mechgeom.analyses.pruning import (
     SingleHeadResult,
     entropy_order,
     head_ablation_hooks,
@@ -35,6 +33,8 @@ from mechgeom.pruning import (
     taxonomy_order,
     weight_magnitude,
 )
+from mechgeom.data import TaskItem
+from mechgeom.hooks import has_hooks
 from mechgeom.viz import plot_retention
 
 #: SPEC.md: Reset heads are removed first, then Mixers, Retrievers last.

@@ -12,8 +12,7 @@ from conftest import make_tiny, random_tokens
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mechgeom.hooks import expand_kv, has_hooks
-from mechgeom.selection import (
+from mechgeom.analyses.selection import (
     PER_QUERY,
     BoundParams,
     bound_radii,
@@ -30,6 +29,7 @@ from mechgeom.selection import (
     token_selection,
     token_selection_from_cache,
 )
+from mechgeom.hooks import expand_kv, has_hooks
 
 F64 = torch.float64
 

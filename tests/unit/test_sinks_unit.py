@@ -1,4 +1,4 @@
-"""Unit tests of mechgeom.sinks on tiny seeded models, against loop-based references."""
+"""Unit tests of mechgeom.analyses.sinks on tiny seeded models, against loop-based references."""
 
 from __future__ import annotations
 
@@ -12,10 +12,9 @@ from conftest import make_tiny, random_tokens
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from mechgeom.contribution import LayerGeometry
-from mechgeom.evaluation import text_nll
-from mechgeom.hooks import LayerCollector, has_hooks, hook_name, run_hooks
-from mechgeom.sinks import (
+from mechgeom.analyses.contribution import LayerGeometry
+from mechgeom.analyses.evaluation import text_nll
+from mechgeom.analyses.sinks import (
     SinkResult,
     affected_heads,
     convex_minimiser,
@@ -29,6 +28,7 @@ from mechgeom.sinks import (
     sink_statistics,
     sink_value_hooks,
 )
+from mechgeom.hooks import LayerCollector, has_hooks, hook_name, run_hooks
 from mechgeom.viz import plot_cone_shift, plot_convexity_curves, plot_rate_vs_ratio, plot_sink_rate_vs_s_star
 
 # --------------------------------------------------------------------------- loop reference

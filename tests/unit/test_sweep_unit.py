@@ -16,8 +16,8 @@ import pytest
 import torch
 from conftest import make_tiny, random_tokens
 
-from mechgeom import faithfulness as fa
-from mechgeom import pruning
+from mechgeom.analyses import faithfulness as fa
+from mechgeom.analyses import pruning
 from mechgeom.data import TaskItem
 from mechgeom.sweep import Item, LocalExecutor, RowStore, run_sweep, tokens_hash
 
@@ -267,7 +267,7 @@ def test_faithfulness_resumes_after_sigkill(tmp_path):
     script = f"""
         import time
         from conftest import make_tiny, random_tokens
-        from mechgeom import faithfulness as fa
+        from mechgeom.analyses import faithfulness as fa
         real = fa._masked_scores
         fa._masked_scores = lambda *a, **k: (time.sleep(0.25), real(*a, **k))[1]
         fa.perplexity_curves(make_tiny(), random_tokens(5, 8, seed=2), out={str(tmp_path / "run.csv")!r}, **{kw!r})
@@ -289,7 +289,7 @@ def test_single_head_sweep_resumes_after_sigkill(tmp_path):
     script = f"""
         import time
         from conftest import make_tiny, random_tokens
-        from mechgeom import pruning
+        from mechgeom.analyses import pruning
         real = pruning._nll_from_layer
         pruning._nll_from_layer = lambda *a, **k: (time.sleep(0.2), real(*a, **k))[1]
         model = make_tiny(n_layers=3, seed=3)
@@ -311,7 +311,7 @@ def test_retention_curves_resume_after_sigkill(tmp_path):
     script = f"""
         import time
         from conftest import make_tiny, random_tokens
-        from mechgeom import pruning
+        from mechgeom.analyses import pruning
         real = pruning.retention_curve
         pruning.retention_curve = lambda *a, **k: (time.sleep(0.4), real(*a, **k))[1]
         model = make_tiny(n_layers=2, seed=5)

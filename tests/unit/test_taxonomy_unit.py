@@ -12,9 +12,8 @@ import pytest
 import torch
 from conftest import make_tiny, random_tokens
 
-from mechgeom.hooks import expand_kv, has_hooks
-from mechgeom.pruning import taxonomy_order
-from mechgeom.taxonomy import (
+from mechgeom.analyses.pruning import taxonomy_order
+from mechgeom.analyses.taxonomy import (
     LABELS,
     TABLE_COLUMNS,
     classify_heads,
@@ -26,6 +25,7 @@ from mechgeom.taxonomy import (
     regime_summary,
     source_winners,
 )
+from mechgeom.hooks import expand_kv, has_hooks
 from mechgeom.viz import plot_regime_grid
 
 K = 10

@@ -11,7 +11,7 @@ import torch
 from circuitsvis.utils.render import RenderedHTML
 from conftest import make_tiny, random_tokens
 
-from mechgeom.contribution import contribution_weights
+from mechgeom.analyses.contribution import contribution_weights
 from mechgeom.viz import NEGATIVE_COLOR, POSITIVE_COLOR, View, head_view, layer_view, save_html, token_view
 
 BUNDLE = Path(__import__("circuitsvis").__file__).parent / "dist" / "cdn" / "iife.js"

@@ -56,8 +56,8 @@ import torch
 from transformer_lens.hook_points import HookPoint
 
 from mechgeom._progress import progress
+from mechgeom.analyses.evaluation import text_nll
 from mechgeom.data import TaskItem
-from mechgeom.evaluation import text_nll
 from mechgeom.hooks import (
     FwdHook,
     Head,
@@ -446,7 +446,7 @@ def _nll_from_layer(
 ) -> Float[Tensor, " batch"]:
     """Mean next-token NLL per text, running the model from ``resid`` = ``blocks.{layer}.hook_resid_pre``.
 
-    Same loss as :func:`mechgeom.evaluation.text_nll` (TransformerLens' per-token loss, mean over positions).
+    Same loss as :func:`mechgeom.analyses.evaluation.text_nll` (TransformerLens' per-token loss, mean over positions).
     """
     with torch.no_grad(), model.hooks(fwd_hooks=list(fwd_hooks), reset_hooks_end=True):
         loss = model(resid, start_at_layer=layer, tokens=tokens, return_type="loss", loss_per_token=True)
@@ -467,7 +467,7 @@ class SingleHeadResult:
 
     @property
     def ppl(self) -> Float[Tensor, "layer head_index"]:
-        """``exp`` of the mean NLL over texts (equal-length windows), as :func:`mechgeom.evaluation.perplexity`."""
+        """``exp`` of the mean NLL over texts (equal-length windows), as :func:`mechgeom.analyses.evaluation.perplexity`."""
         return torch.exp(self.nll.mean(dim=-1))
 
     @property
@@ -530,7 +530,7 @@ def single_head_sweep(
     With ``start_at_layer`` (default) the clean residual stream is advanced block by block over all texts
     and each head of layer ``l`` is evaluated from ``blocks.{l}.hook_resid_pre`` (exact: earlier layers do
     not see the removal); otherwise every head costs one full forward through
-    :func:`mechgeom.evaluation.text_nll` (always so on a ``TransformerBridge``, where that is the faster
+    :func:`mechgeom.analyses.evaluation.text_nll` (always so on a ``TransformerBridge``, where that is the faster
     path). ``checkpoint`` (a ``.csv``/``.parquet`` path) records each head's rows as soon as it finishes
     and resumes from them (:mod:`mechgeom.sweep`); a file written for another model, other tokens or
     another mode is refused with a ``ValueError`` naming the difference.

@@ -2,7 +2,7 @@
 
 SPEC: "Removing source ``j`` from query ``i`` = setting ``alpha[h,i,j] = 0`` **without renormalising**
 (this deletes ``alpha vt`` from ``o[i]``), as a hook on ``hook_pattern``." The sources of each query are
-ranked by a metric of :mod:`mechgeom.contribution` (intra-head metrics rank per head, inter-head metrics
+ranked by a metric of :mod:`mechgeom.analyses.contribution` (intra-head metrics rank per head, inter-head metrics
 rank once per layer and apply to every head) or at random; at removal rate ``r``, ``ceil(r * (i+1))``
 sources of query ``i`` are removed: the top-ranked (**comprehensiveness**: a larger ΔPPL is more
 faithful) or the bottom-ranked (**sufficiency**: a smaller ΔPPL is more faithful).
@@ -15,7 +15,7 @@ Conventions fixed here (keyword arguments keep the defaults):
 - **Ranking.** Per query ``i``, only sources ``j <= i`` are ranked (``j > i`` are never counted and
   never removed). Sources are sorted by the **signed** metric value, largest first (rank 0 = top), with
   a stable sort, so ties go to the **lower position first**. A NaN metric value (a zero output norm,
-  see :mod:`mechgeom.contribution`) ranks **below every finite value**; inside a fully NaN row the
+  see :mod:`mechgeom.analyses.contribution`) ranks **below every finite value**; inside a fully NaN row the
   order is by position.
 - **Counting.** ``n_i = ceil(r * (i+1))`` with ``r * (i+1)`` rounded to 9 decimals first, so that
   ``0.3 * 10`` counts 3 sources and not 4 (binary floating point would give ``3.0000000000000004``).
@@ -49,8 +49,13 @@ import pandas as pd
 import torch
 
 from mechgeom._io import write_frame
-from mechgeom.contribution import INTER_METRICS, INTRA_METRICS, RANKING_METRICS, ContributionCollector
-from mechgeom.evaluation import bootstrap_ci
+from mechgeom.analyses.contribution import (
+    INTER_METRICS,
+    INTRA_METRICS,
+    RANKING_METRICS,
+    ContributionCollector,
+)
+from mechgeom.analyses.evaluation import bootstrap_ci
 from mechgeom.hooks import (
     MODES,
     FwdHook,
@@ -568,8 +573,8 @@ def perplexity_curves(
 
     SPEC: "ΔPPL = PPL(masked) − PPL(clean) of next-token prediction on the text; also report ΔNLL."
     PPL is ``exp`` of the mean over texts of each text's mean next-token NLL (equal-length windows, as
-    :func:`mechgeom.evaluation.perplexity`); ``ci_low``/``ci_high`` are a 95% percentile bootstrap over
-    texts of ΔPPL (:func:`mechgeom.evaluation.bootstrap_ci`, ``n_boot`` resamples, ``seed``).
+    :func:`mechgeom.analyses.evaluation.perplexity`); ``ci_low``/``ci_high`` are a 95% percentile bootstrap over
+    texts of ΔPPL (:func:`mechgeom.analyses.evaluation.bootstrap_ci`, ``n_boot`` resamples, ``seed``).
 
     One clean pass per batch of ``batch_size`` texts gives the clean loss and every ranking; each
     (metric, mode, rate > 0) then costs one masked forward; rate 0 is the clean pass. Metrics whose

@@ -2,7 +2,7 @@
 
 One layer, batch ``b``, head ``h``, query ``i``, source ``j <= i``; ``alpha = hook_pattern``,
 ``v = hook_v`` (GQA-expanded), ``vt[j,h] = v[j,h] @ W_O[h]``, ``o[i,h] = z[i,h] @ W_O[h]`` (no ``b_O``).
-Projected values, norms and head outputs come from :class:`mechgeom.contribution.LayerGeometry`.
+Projected values, norms and head outputs come from :class:`mechgeom.analyses.contribution.LayerGeometry`.
 
 **Sink set.** ``sink_positions`` (default ``[0]``) is the sink set ``S``; every other position is a
 non-sink. With more than one sink:
@@ -49,8 +49,8 @@ import pandas as pd
 import torch
 
 from mechgeom._progress import progress
-from mechgeom.contribution import LayerGeometry
-from mechgeom.evaluation import bootstrap_ci, text_nll
+from mechgeom.analyses.contribution import LayerGeometry
+from mechgeom.analyses.evaluation import bootstrap_ci, text_nll
 from mechgeom.hooks import (
     FwdHook,
     LayerActivations,
@@ -328,7 +328,7 @@ class SinkResult:
     ``modified [n, layer, head, q]`` marks the heads whose ``z`` an earlier hook changed
     (:func:`mechgeom.hooks.modified_mask`): the statistics above still describe ``alpha`` and ``v``, but
     those no longer make the head's output, and the factor moments leave such queries out (their
-    ``c``, ratio and cosine are NaN, see :mod:`mechgeom.contribution`).
+    ``c``, ratio and cosine are NaN, see :mod:`mechgeom.analyses.contribution`).
     """
 
     layers: list[int]
@@ -828,7 +828,7 @@ def sink_ablation(
     (:func:`random_control_positions` with ``seed``) in the same layers and heads with the same mode.
 
     Three passes (clean, sink, control; each one NLL pass with readers attached) measure the NLL
-    (``mechgeom.evaluation.text_nll``), the head-output norms and the cone cosines. ``clean`` reuses
+    (``mechgeom.analyses.evaluation.text_nll``), the head-output norms and the cone cosines. ``clean`` reuses
     the clean pass of an earlier result on the same tokens and sink set (for per-layer sweeps).
     """
     tokens = to_tokens(model, tokens)
