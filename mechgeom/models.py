@@ -258,6 +258,19 @@ def _load_hf_cache(target: Path, sha: str, dtype: torch.dtype) -> tuple[Any, Any
     return hf, tokenizer
 
 
+def _read_cache(load: Any, what: str) -> Any:
+    """``load()``, or ``None`` with a warning when the cache entry is unreadable or stale (it is then rebuilt)."""
+    try:
+        return load()
+    except Exception as exc:
+        warnings.warn(
+            f"mechgeom: {what} are unreadable or stale ({exc!s:.200}); rebuilding",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        return None
+
+
 def load_hf_model(
     name: str = "smollm2-135m", dtype: torch.dtype = torch.float32, *, use_cache: bool = False
 ) -> tuple[Any, Any]:
@@ -275,14 +288,9 @@ def load_hf_model(
         sha = _sha256(path)
         target = _hf_cache_path(name, sha, dtype)
         if (target / "mechgeom.json").is_file():
-            try:
-                loaded = _load_hf_cache(target, sha, dtype)
-            except Exception as exc:
-                warnings.warn(
-                    f"mechgeom: the cached HF weights at {target} are unreadable or stale ({exc!s:.200}); rebuilding",
-                    RuntimeWarning,
-                    stacklevel=2,
-                )
+            loaded = _read_cache(
+                lambda: _load_hf_cache(target, sha, dtype), f"the cached HF weights at {target}"
+            )
     if loaded is None:
         loaded = _read_gguf(name, path, dtype)
         if use_cache:
@@ -507,15 +515,9 @@ def load_model(
         sha = _sha256(path)
         sd_path, tok_path = _cache_paths(name, sha, dtype)
         if sd_path.is_file() and tok_path.is_dir():
-            try:
-                model = _load_cache(sd_path, tok_path, sha)
-            except Exception as exc:
-                warnings.warn(
-                    f"mechgeom: the cached weights at {sd_path} are unreadable or stale ({exc!s:.200}); rebuilding",
-                    RuntimeWarning,
-                    stacklevel=2,
-                )
-                model = None
+            model = _read_cache(
+                lambda: _load_cache(sd_path, tok_path, sha), f"the cached weights at {sd_path}"
+            )
     if model is None:
         hf, tokenizer = load_hf_model(name, dtype, use_cache=False)
         model = _convert(name, hf, tokenizer, dtype)
