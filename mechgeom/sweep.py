@@ -219,6 +219,20 @@ class RowStore:
             write_frame(self.frame, self.path)
         return len(new)
 
+    def discard(self, keys: Iterable[Iterable[Any]]) -> int:
+        """Drop the rows with these keys (tuples of key-column values) and rewrite the file atomically;
+        returns how many rows went. For a store whose entries are replaced (the report's stages)."""
+        gone = {_norm_key(k) for k in keys} & self.done
+        if not gone:
+            return 0
+        drop = pd.Series([k in gone for k in self._keys(self.frame)], dtype=bool).to_numpy()
+        n = int(drop.sum())
+        self.frame = self.frame[~drop].reset_index(drop=True)
+        self.done -= gone
+        if self.path is not None:
+            write_frame(self.frame, self.path)
+        return n
+
     def rows(self) -> pd.DataFrame:
         """The stored rows without the setting columns."""
         return self.frame.drop(columns=list(self._setting_cols)).reset_index(drop=True)

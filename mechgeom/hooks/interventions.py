@@ -29,6 +29,7 @@ from transformer_lens.hook_points import HookPoint
 
 from mechgeom.hooks.masks import masked_mean, query_mask, resolve_sinks, sink_mask
 from mechgeom.hooks.readers import FwdHook, hook_name, resolve_heads, resolve_layers
+from mechgeom.maths import rank_dtype, stable_ranks
 from mechgeom.typing import Bool, Float, Int, Pattern, SourceRanks, Tensor, Z
 
 __all__ = [
@@ -114,14 +115,6 @@ def removal_interval(
     return size - n, size
 
 
-def _rank_dtype(n_keys: int) -> torch.dtype:
-    if n_keys <= 256:
-        return torch.uint8
-    if n_keys <= 2**15:
-        return torch.int16
-    return torch.int32
-
-
 def rank_sources(
     scores: Float[Tensor, "*batch query_pos key_pos"],
 ) -> Int[Tensor, "*batch query_pos key_pos"]:
@@ -139,13 +132,7 @@ def rank_sources(
         raise ValueError(f"scores have more queries ({q}) than keys ({k})")
     future = torch.ones(q, k, dtype=torch.bool, device=scores.device).triu(diagonal=1 + k - q)
     s = torch.where(torch.isnan(scores) | future, torch.full_like(scores, -math.inf), scores)
-    order = torch.sort(s, dim=-1, descending=True, stable=True).indices
-    dtype = _rank_dtype(k)
-    ranks = torch.empty(order.shape, dtype=dtype, device=scores.device)
-    ranks.scatter_(
-        -1, order, torch.arange(k, device=scores.device, dtype=dtype).expand(order.shape).contiguous()
-    )
-    return ranks
+    return stable_ranks(s, descending=True, dtype=rank_dtype(k))
 
 
 def removal_mask(

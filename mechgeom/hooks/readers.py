@@ -25,6 +25,7 @@ import einops
 import torch
 from transformer_lens.hook_points import HookPoint
 
+from mechgeom._progress import progress
 from mechgeom.typing import WO, Bool, Float, HeadOut, Pattern, Tensor, Tokens, Values, Z
 
 __all__ = [
@@ -35,6 +36,7 @@ __all__ = [
     "check_decoder",
     "check_index",
     "check_indices",
+    "collect",
     "expand_kv",
     "has_hooks",
     "head_outputs",
@@ -45,6 +47,7 @@ __all__ = [
     "modified_pairs",
     "resolve_heads",
     "resolve_layers",
+    "run_batches",
     "run_hooks",
     "to_tokens",
 ]
@@ -436,6 +439,46 @@ def run_hooks(
         kwargs["stop_at_layer"] = stop_at_layer
     with torch.no_grad(), model.hooks(fwd_hooks=list(fwd_hooks), reset_hooks_end=True):
         return model(tokens, **kwargs)
+
+
+def run_batches(
+    model: Any,
+    tokens: Tokens,
+    fwd_hooks: Sequence[FwdHook],
+    *,
+    batch_size: int,
+    stop_at_layer: int | None = None,
+    desc: str = "batches",
+    verbose: bool = False,
+) -> None:
+    """Feed ``tokens`` to the model in batches of ``batch_size`` texts with ``fwd_hooks`` (readers that
+    accumulate, e.g. a collector's), a :func:`mechgeom._progress.progress` bar over batches (``desc``);
+    every batch goes through :func:`run_hooks`, so no hook stays attached, also on error."""
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be positive, got {batch_size}")
+    starts = range(0, tokens.shape[0], batch_size)
+    for start in progress(starts, desc=desc, enabled=verbose, total=len(starts)):
+        batch = tokens[start : start + batch_size].to(model.cfg.device)
+        run_hooks(model, batch, fwd_hooks, stop_at_layer=stop_at_layer)
+
+
+def collect(
+    model: Any,
+    tokens: Tokens,
+    collector: Any,
+    *,
+    batch_size: int,
+    extra_hooks: Sequence[FwdHook] = (),
+    desc: str = "batches",
+    verbose: bool = False,
+) -> Any:
+    """Run a collector (``.fwd_hooks``, ``.layers``, ``.result(tokens)``) over ``tokens`` in batches, with
+    ``extra_hooks`` attached before its readers, stopping after its last layer; returns its result."""
+    layers = getattr(collector, "layers", None)
+    stop = max(layers) + 1 if layers else None
+    hooks = [*extra_hooks, *collector.fwd_hooks]
+    run_batches(model, tokens, hooks, batch_size=batch_size, stop_at_layer=stop, desc=desc, verbose=verbose)
+    return collector.result(tokens)
 
 
 def has_hooks(model: Any) -> bool:
