@@ -3,6 +3,8 @@
 - ``mechgeom report``: every analysis on one model and corpus -> ``DIR/report.html`` (offline, one file)
   plus one table per analysis; rerunning with the same settings reuses the finished stages.
 - ``mechgeom contributions``: contribution weights of one text -> CSV, Parquet or HTML (by ``--out``'s suffix).
+- ``mechgeom run <analysis>``: one full analysis (faithfulness, sinks, selection, pruning) on one model ->
+  ``results/<analysis>/<model>/`` (tables, figures, ``summary.json``); ``scripts/run_*.py`` wrap these verbs.
 - ``mechgeom models``: the offline models.
 
 Logs go to stderr; results (paths, model names) to stdout. :func:`main` returns the exit status, so it can
@@ -68,7 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "-v", "--verbose", action="store_true", help="debug logging (tracebacks of failed stages)"
     )
-    verbs = parser.add_subparsers(dest="verb", required=True, metavar="{report,contributions,models}")
+    verbs = parser.add_subparsers(dest="verb", required=True, metavar="{report,contributions,run,models}")
 
     q, d = PRESETS["quick"], PRESETS["default"]
     rep = verbs.add_parser(
@@ -127,6 +129,24 @@ def build_parser() -> argparse.ArgumentParser:
     con.add_argument("--layer", type=_non_negative, nargs="+", default=None, help="layer(s) (default: all)")
     con.add_argument("--head", type=_non_negative, nargs="+", default=None, help="head(s) (default: all)")
     con.add_argument("--device", default="cpu", help="torch device (default cpu)")
+
+    from mechgeom.report.runs import RUNS, run_module
+
+    run = verbs.add_parser(
+        "run",
+        help="one full analysis on one model, written under results/<analysis>/<model>/",
+        description="One full analysis on one model: tables, figures and summary.json under --out/<model>/.",
+    )
+    analyses = run.add_subparsers(dest="analysis", required=True, metavar="{" + ",".join(RUNS) + "}")
+    for name in RUNS:
+        module = run_module(name)
+        sub = analyses.add_parser(
+            name,
+            help=module.HELP,
+            description=module.__doc__,
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
+        module.add_arguments(sub)
 
     verbs.add_parser(
         "models", help="list the offline models", description="List the offline models, one per line."
@@ -200,6 +220,12 @@ def _cmd_contributions(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_run(args: argparse.Namespace) -> int:
+    from mechgeom.report.runs import run_module
+
+    return int(run_module(args.analysis).run(args))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run ``mechgeom`` with ``argv`` (default ``sys.argv[1:]``); returns the exit status.
 
@@ -221,7 +247,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"--out {args.out} is an existing file; give a directory for the report")
     level = logger.level
     handler = _setup_logging(args.verbose)
-    commands = {"models": _cmd_models, "report": _cmd_report, "contributions": _cmd_contributions}
+    commands = {
+        "models": _cmd_models,
+        "report": _cmd_report,
+        "contributions": _cmd_contributions,
+        "run": _cmd_run,
+    }
     try:
         return commands[args.verb](args)
     except (ValueError, TypeError, IndexError, ImportError, OSError) as exc:

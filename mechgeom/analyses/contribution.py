@@ -6,16 +6,12 @@ For one layer (batch ``b``, head ``h``, query ``i``, source ``j <= i``), with ``
 - projected value ``vt[j,h] = v[j,h] @ W_O[h]``; head output ``o[i,h] = z[i,h] @ W_O[h]``;
   layer output ``o[i] = sum_h o[i,h]``, **without** ``b_O``.
 
-Every metric costs one ``q x k`` product in ``d_head`` per head, like attention itself, because
-``<o, vt[j,h]> = v[j,h] . (o @ W_O[h].T)``. No ``[batch, head, q, k, d_model]`` tensor is ever built.
-The inter-head value norm is ``alpha^T G_j alpha`` with the ``[head, head]`` Gram matrix ``G_j`` of
-token ``j``'s projected values. Norms of head outputs and projected values are quadratic forms in
-``d_head`` with ``M[h] = W_O[h] W_O[h].T``.
-
-**Causal layout.** Metrics are ``[.., query_pos, key_pos]`` with every entry above the diagonal
-(``key > query``, not a source) exactly 0, factors included. They are computed in blocks of queries
-(``block_size``), each against only the keys it can see, so about half of the ``q x k`` work of a full
-square is skipped. The pattern is assumed causal, as a decoder's is (mechgeom's interventions keep it so).
+The metrics are computed layer by layer, in blocks of queries, by
+:class:`~mechgeom.analyses.contribution_geometry.LayerGeometry` (one ``q x k`` product in ``d_head`` per
+head and metric; entries above the diagonal, ``key > query``, are exactly 0, factors included).
+Headline statistics (sink shares, negative share, top-1 agreement, TV) are
+:mod:`mechgeom.analyses.contribution_stats`: :meth:`ContributionResult.summary` for a result in memory,
+:func:`contribution_overview` streamed over a corpus.
 
 **Zero output norm.** Where ``‖o[i,h]‖ = 0`` (or ``‖o[i]‖ = 0`` for inter-head metrics and head shares)
 the normalised metrics of that row are NaN at every source ``j <= i``: never a crash, never a silent 0.
@@ -41,16 +37,23 @@ reader marks that head and query as *modified* (:func:`mechgeom.hooks.modified_m
 
 from __future__ import annotations
 
-from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from functools import cached_property
 from typing import Any
 
 import einops
 import pandas as pd
 import torch
 
+from mechgeom._progress import progress
+from mechgeom.analyses.contribution_geometry import BLOCK_SIZE, INTER_METRICS, INTRA_METRICS, LayerGeometry
+from mechgeom.analyses.contribution_stats import (
+    SUMMARY_METRICS,
+    ScoreTotals,
+    overview_summary,
+    result_summary,
+    view_layer_of,
+)
 from mechgeom.hooks import (
     FwdHook,
     LayerActivations,
@@ -58,472 +61,29 @@ from mechgeom.hooks import (
     check_indices,
     head_outputs,
     modified_pairs,
+    run_batches,
     run_hooks,
     to_tokens,
 )
-from mechgeom.typing import WO, Bool, Float, HeadScores, LayerScores, Pattern, Tensor, Tokens, Values, Z
+from mechgeom.typing import Bool, Float, Tensor, Tokens
 
 __all__ = [
+    "BLOCK_SIZE",
     "INTER_METRICS",
     "INTRA_METRICS",
     "RANKING_METRICS",
     "ContributionCollector",
+    "ContributionOverview",
     "ContributionResult",
     "LayerGeometry",
+    "contribution_overview",
     "contribution_weights",
     "contribution_weights_from_cache",
     "reconstruct_attn_out",
 ]
 
-#: Per-head metrics, ``[batch, layer, head_index, query_pos, key_pos]``.
-INTRA_METRICS = (
-    "attention",
-    "value_weighted",
-    "value_weighted_normalized",
-    "contribution",
-    "head_share",
-    "factor_norm_ratio",
-    "factor_cos",
-)
-#: Whole-layer metrics, ``[batch, layer, query_pos, key_pos]``.
-INTER_METRICS = ("attention", "value_weighted", "value_weighted_normalized", "contribution")
 #: The four metrics compared by paper A, in its claimed order of faithfulness.
 RANKING_METRICS = ("attention", "value_weighted", "value_weighted_normalized", "contribution")
-
-#: Queries per block of the blocked computation (see "Causal layout" above).
-BLOCK_SIZE = 128
-
-
-def _inv_or_nan(den: Tensor) -> Tensor:
-    """``1 / den``, NaN where ``den == 0`` (so that a product with it is NaN there, also for a 0 numerator)."""
-    return torch.where(den == 0, torch.full_like(den, float("nan")), 1 / torch.where(den == 0, 1, den))
-
-
-def _inv_or_zero(den: Tensor) -> Tensor:
-    """``1 / den``, 0 where ``den == 0``."""
-    return torch.where(den == 0, torch.zeros_like(den), 1 / torch.where(den == 0, 1, den))
-
-
-class LayerGeometry:
-    """The shared pieces of one layer's metrics, each computed once and only when asked for.
-
-    Shapes: ``pattern [batch head q k]``, ``v [batch pos head d_head]`` (expanded),
-    ``z [batch pos head d_head]``, ``W_O [head d_head d_model]``. :meth:`compute` returns several metrics
-    in one blocked sweep (what :class:`ContributionCollector` uses); the per-metric methods return the same
-    numbers one at a time and keep them.
-    """
-
-    def __init__(
-        self,
-        pattern: Pattern,
-        v: Values,
-        z: Z,
-        W_O: WO,
-        *,
-        block_size: int = BLOCK_SIZE,
-        modified: Bool[Tensor, "batch head_index query_pos"] | None = None,
-    ) -> None:
-        if pattern.shape[-1] != pattern.shape[-2]:
-            raise ValueError(
-                f"the pattern must be square [.., q, k] (no KV cache); got {tuple(pattern.shape)}"
-            )
-        self.pattern = pattern
-        self.v = v
-        self.z = z
-        self.W_O = W_O
-        self.block_size = max(1, int(block_size))
-        #: ``[b h q]`` heads whose ``z`` an earlier hook changed (see the module docstring); ``None`` = none.
-        self.modified = modified if modified is not None and bool(modified.any()) else None
-        self._metrics: dict[str, Tensor] = {}
-
-    @classmethod
-    def from_activations(cls, acts: LayerActivations, *, block_size: int = BLOCK_SIZE) -> LayerGeometry:
-        return cls(acts.pattern, acts.v, acts.z, acts.W_O, block_size=block_size, modified=acts.modified)
-
-    # ---- outputs and values in d_model (the metrics only need projected_values, for the Gram matrix)
-    @cached_property
-    def head_out(self) -> Float[Tensor, "batch pos head_index d_model"]:
-        """``o[i,h] = z[i,h] @ W_O[h]``."""
-        return head_outputs(self.z, self.W_O)
-
-    @cached_property
-    def layer_out(self) -> Float[Tensor, "batch pos d_model"]:
-        """``o[i] = sum_h o[i,h]`` (no ``b_O``)."""
-        return einops.einsum(self.z, self.W_O, "b q h d, h d m -> b q m")
-
-    @cached_property
-    def projected_values(self) -> Float[Tensor, "batch pos head_index d_model"]:
-        """``vt[j,h] = v[j,h] @ W_O[h]`` (``d_model`` per token and head, no ``q`` axis)."""
-        return head_outputs(self.v, self.W_O)
-
-    # ---- norms and products in d_head (never q x k x d_model)
-    @cached_property
-    def wo_gram_full(self) -> Float[Tensor, "head_index d_head head_index2 d_head2"]:
-        """``M[h,:,g,:] = W_O[h] @ W_O[g].T`` (a weight-only quantity, cached per ``W_O``, see :func:`_wo_gram_full`)."""
-        return _wo_gram_full(self.W_O)
-
-    @cached_property
-    def wo_gram(self) -> Float[Tensor, "head_index d_head d_head2"]:
-        """``M[h] = W_O[h] @ W_O[h].T``, so that ``<x @ W_O[h], y @ W_O[h]> = x M[h] y``."""
-        return einops.rearrange(torch.diagonal(self.wo_gram_full, dim1=0, dim2=2), "d e h -> h d e")
-
-    @cached_property
-    def head_u(self) -> Float[Tensor, "batch pos head_index d_head"]:
-        """``o[i,h] @ W_O[h].T = z[i,h] M[h]``."""
-        return einops.einsum(self.z, self.wo_gram, "b q h d, h d e -> b q h e")
-
-    @cached_property
-    def layer_u(self) -> Float[Tensor, "batch pos head_index d_head"]:
-        """``o[i] @ W_O[h].T = sum_g z[i,g] M[g,:,h,:]`` for every head ``h``."""
-        h = self.z.shape[2]
-        z = einops.rearrange(self.z, "b q h d -> b q (h d)")
-        m = einops.rearrange(self.wo_gram_full, "h d g e -> (h d) (g e)")
-        return einops.rearrange(z @ m, "b q (g e) -> b q g e", g=h)
-
-    @cached_property
-    def vt_norm(self) -> Float[Tensor, "batch head_index key_pos"]:
-        """``‖vt[j,h]‖ = sqrt(v[j,h] M[h] v[j,h])``."""
-        vm = einops.einsum(self.v, self.wo_gram, "b k h d, h d e -> b k h e")
-        sq = einops.einsum(vm, self.v, "b k h d, b k h d -> b h k")
-        return sq.clamp_min(0).sqrt()
-
-    @cached_property
-    def head_out_norm(self) -> Float[Tensor, "batch head_index query_pos"]:
-        """``‖o[i,h]‖ = sqrt(z[i,h] M[h] z[i,h])``."""
-        sq = einops.einsum(self.z, self.head_u, "b q h d, b q h d -> b h q")
-        return sq.clamp_min(0).sqrt()
-
-    @cached_property
-    def layer_out_norm(self) -> Float[Tensor, "batch query_pos"]:
-        """``‖o[i]‖ = sqrt(sum_h z[i,h] . (o[i] @ W_O[h].T))``."""
-        sq = einops.einsum(self.z, self.layer_u, "b q h d, b q h d -> b q")
-        return sq.clamp_min(0).sqrt()
-
-    @cached_property
-    def dot_head(self) -> HeadScores:
-        """``<o[i,h], vt[j,h]> = v[j,h] . (o[i,h] @ W_O[h].T)``, computed in ``d_head`` (full square)."""
-        return einops.einsum(self.head_u, self.v, "b q h d, b k h d -> b h q k")
-
-    @cached_property
-    def dot_layer(self) -> HeadScores:
-        """``<o[i], vt[j,h]> = v[j,h] . (o[i] @ W_O[h].T)``, computed in ``d_head`` (full square)."""
-        return einops.einsum(self.layer_u, self.v, "b q h d, b k h d -> b h q k")
-
-    @cached_property
-    def output_share(self) -> Float[Tensor, "batch head_index query_pos"]:
-        """``<o[i], o[i,h]> / ‖o[i]‖² = z[i,h] . (o[i] @ W_O[h].T) / ‖o[i]‖²``: head ``h``'s part of ``o[i]``."""
-        dots = einops.einsum(self.z, self.layer_u, "b q h d, b q h d -> b h q")
-        return dots * (_inv_or_nan(self.layer_out_norm) ** 2)[:, None, :]
-
-    @cached_property
-    def modified_share(self) -> Float[Tensor, "batch head_index query_pos"]:
-        """The share ``<o[i], o[i,h]> / ‖o[i]‖²`` of each *modified* head (0 for unmodified heads)."""
-        if self.modified is None:
-            return torch.zeros_like(self.pattern[..., 0])
-        return torch.where(self.modified, self.output_share, torch.zeros_like(self.pattern[..., 0]))
-
-    @cached_property
-    def gram(self) -> Float[Tensor, "batch key_pos head_index head_index2"]:
-        """``G_j[h,g] = <vt[j,h], vt[j,g]>``, the per-token ``[head, head]`` Gram matrix."""
-        vt = self.projected_values
-        return einops.einsum(vt, vt, "b k h m, b k g m -> b k h g")
-
-    # ---- the metrics of SPEC.md §A, one function each (the formula is in the block kernels below)
-    def attention(self) -> HeadScores:
-        """Raw attention, intra-head: ``alpha[h,i,j]``."""
-        return self.pattern
-
-    def attention_inter(self) -> LayerScores:
-        """Raw attention, inter-head: ``mean_h alpha[h,i,j]``."""
-        return self._get("attention_inter")
-
-    def value_weighted(self) -> HeadScores:
-        """Value-weighted attention (Kobayashi 2020), intra-head: ``alpha[h,i,j] * ‖vt[j,h]‖``."""
-        return self._get("value_weighted")
-
-    def value_weighted_inter(self) -> LayerScores:
-        """Value-weighted, inter-head: ``‖sum_h alpha[h,i,j] vt[j,h]‖ = sqrt(alpha^T G_j alpha)``."""
-        return self._get("value_weighted_inter")
-
-    def value_weighted_normalized(self) -> HeadScores:
-        """Value-weighted, output-normalised, intra-head: ``alpha[h,i,j] * ‖vt[j,h]‖ / ‖o[i,h]‖``."""
-        return self._get("value_weighted_normalized")
-
-    def value_weighted_normalized_inter(self) -> LayerScores:
-        """Value-weighted, output-normalised, inter-head: ``‖sum_h alpha[h,i,j] vt[j,h]‖ / ‖o[i]‖``."""
-        return self._get("value_weighted_normalized_inter")
-
-    def contribution(self) -> HeadScores:
-        """Contribution weight, intra-head: ``c[h,i,j] = <o[i,h], alpha[h,i,j] vt[j,h]> / ‖o[i,h]‖²``.
-
-        Sums to 1 over ``j``; can be negative. NaN where ``‖o[i,h]‖ = 0``.
-        """
-        return self._get("contribution")
-
-    def head_share(self) -> HeadScores:
-        """Per-head share of the inter-head weight: ``c[h→i,j] = <o[i], alpha[h,i,j] vt[j,h]> / ‖o[i]‖²``.
-
-        Sums to 1 over ``(h, j)``. NaN where ``‖o[i]‖ = 0``.
-        """
-        return self._get("head_share")
-
-    def contribution_inter(self) -> LayerScores:
-        """Contribution weight, inter-head: ``c[i,j] = <o[i], sum_h alpha[h,i,j] vt[j,h]> / ‖o[i]‖² = sum_h c[h→i,j]``."""
-        return self._get("contribution_inter")
-
-    def factor_norm_ratio(self) -> HeadScores:
-        """Relative magnitude factor ``‖vt[j,h]‖ / ‖o[i,h]‖`` (NaN where ``‖o[i,h]‖ = 0``)."""
-        return self._get("factor_norm_ratio")
-
-    def factor_cos(self) -> HeadScores:
-        """Directional alignment factor ``cos(o[i,h], vt[j,h])``.
-
-        NaN where ``‖o[i,h]‖ = 0``; 0 where ``‖vt[j,h]‖ = 0``. With the other two factors,
-        ``c[h,i,j] = alpha * (‖vt‖/‖o‖) * cos``.
-        """
-        return self._get("factor_cos")
-
-    def intra(self, name: str) -> HeadScores:
-        return getattr(self, name)()
-
-    def inter(self, name: str) -> LayerScores:
-        return getattr(self, _inter_key(name))()
-
-    # ---- the blocked sweep
-    def _get(self, key: str) -> Tensor:
-        if key not in self._metrics:
-            self._sweep([key])
-        return self._metrics[key]
-
-    def compute(
-        self,
-        intra: Sequence[str] = INTRA_METRICS,
-        inter: Sequence[str] = INTER_METRICS,
-        *,
-        out_intra: dict[str, Tensor] | None = None,
-        out_inter: dict[str, Tensor] | None = None,
-    ) -> tuple[dict[str, HeadScores], dict[str, LayerScores]]:
-        """Several metrics in one blocked sweep: ``({intra name: [b h q k]}, {inter name: [b q k]})``.
-
-        ``out_intra`` / ``out_inter`` optionally give tensors (or views) of the right shape to write the
-        metrics into, e.g. to reuse memory across layers; the returned tensors are then those.
-        """
-        keys = [m for m in intra if m != "attention"]
-        keys += [_inter_key(m) for m in inter]
-        buffers = dict(out_intra or {})
-        buffers.update({_inter_key(m): t for m, t in (out_inter or {}).items()})
-        self._sweep([k for k in keys if k not in self._metrics], buffers)
-        return {m: self.intra(m) for m in intra}, {m: self.inter(m) for m in inter}
-
-    def _sweep(self, keys: Sequence[str], buffers: dict[str, Tensor] | None = None) -> None:
-        """Compute ``keys`` into ``self._metrics``, one block of queries ``q0:q1`` at a time against keys ``0:q1``.
-
-        Shared products are arranged so that each output costs one pass per block: with
-        ``u[i,h] = o[i,h] @ W_O[h].T`` scaled by ``1/‖o[i,h]‖`` and ``v[j,h]`` by ``1/‖vt[j,h]‖``, one matmul
-        gives ``cos``; then ``c = (alpha ‖vt‖/‖o‖) * cos``. With ``o[i] @ W_O[h].T`` scaled by ``1/‖o[i]‖²``,
-        one matmul times ``alpha`` gives the head shares, whose sum over heads is ``c[i,j]``.
-        """
-        if not keys:
-            return
-        with torch.no_grad():
-            self._sweep_blocks(set(keys), buffers or {})
-
-    def _sweep_blocks(self, want: set[str], buffers: dict[str, Tensor]) -> None:
-        alpha = self.pattern
-        B, H, Q, _ = alpha.shape
-        need_cos = bool(want & {"factor_cos", "contribution"})
-        need_vwn = bool(want & {"value_weighted_normalized", "contribution"})
-        need_vw = need_vwn or "value_weighted" in want
-        need_share = bool(want & {"head_share", "contribution_inter"})
-        need_vwi = bool(want & {"value_weighted_inter", "value_weighted_normalized_inter"})
-        need_oh = need_cos or need_vwn or "factor_norm_ratio" in want
-
-        out = {}
-        for k in want:
-            shape = (B, Q, Q) if k.endswith("_inter") else (B, H, Q, Q)
-            buf = buffers.get(k)
-            if buf is not None and (tuple(buf.shape) != shape or buf.dtype != alpha.dtype):
-                raise ValueError(
-                    f"buffer for {k!r} is {tuple(buf.shape)} {buf.dtype}, need {shape} {alpha.dtype}"
-                )
-            out[k] = alpha.new_empty(shape) if buf is None else buf
-        vt_norm = (
-            self.vt_norm[:, :, None, :] if (need_vw or "factor_norm_ratio" in want) else None
-        )  # [b h 1 k]
-        mod = self.modified  # [b h q] or None
-        keep = None if mod is None else (~mod).to(alpha.dtype)[..., None]  # [b h q 1]
-        inv_oh = _inv_or_nan(self.head_out_norm)[..., None] if need_oh else None  # [b h q 1]
-        if inv_oh is not None and mod is not None:  # no per-source terms for a modified head
-            inv_oh = inv_oh.masked_fill(mod[..., None], float("nan"))
-        inv_ol = _inv_or_nan(self.layer_out_norm) if need_share or need_vwi else None  # [b q]
-        v_t = einops.rearrange(self.v, "b k h d -> b h d k").contiguous()  # sliced per block, never copied
-        if need_cos:
-            assert inv_oh is not None
-            u_cos = einops.rearrange(self.head_u, "b q h d -> b h q d") * inv_oh
-            v_cos = v_t * _inv_or_zero(self.vt_norm)[:, :, None, :]
-        if need_share:
-            assert inv_ol is not None
-            u_share = einops.rearrange(self.layer_u, "b q h d -> b h q d") * (inv_ol**2)[:, None, :, None]
-            if keep is not None:
-                u_share = u_share * keep  # a modified head's shares c[h→i,j] are exactly 0
-        if need_vwi:
-            gram = einops.rearrange(self.gram, "b k h g -> h g b k").contiguous()
-        # alpha-weighted outputs are already 0 above the diagonal, except in NaN rows; factors never are
-        factors = [out[k] for k in ("factor_norm_ratio", "factor_cos") if k in out]
-        others = [t for k, t in out.items() if k not in ("factor_norm_ratio", "factor_cos")]
-        nan_h = inv_oh.isnan()[..., 0].any((0, 1)) if inv_oh is not None else torch.zeros(Q, dtype=torch.bool)
-        nan_l = inv_ol.isnan().any(0) if inv_ol is not None else torch.zeros(Q, dtype=torch.bool)
-        nan_m = mod.any((0, 1)) if mod is not None else torch.zeros(Q, dtype=torch.bool)
-        nan_rows = (nan_h.cpu() | nan_l.cpu() | nan_m.cpu()).tolist()
-
-        for q0 in range(0, Q, self.block_size):
-            q1 = min(q0 + self.block_size, Q)
-            a = alpha[:, :, q0:q1, :q1]
-
-            def dst(key: str, q0: int = q0, q1: int = q1) -> Tensor | None:
-                return out[key][..., q0:q1, :q1] if key in out else None
-
-            if need_vw:
-                assert vt_norm is not None
-                vw = _value_weighted(a, vt_norm[..., :q1], out=dst("value_weighted"))
-                if mod is not None:
-                    vw.masked_fill_(mod[:, :, q0:q1, None], float("nan"))
-            if need_vwn:
-                assert inv_oh is not None
-                vwn = _value_weighted_normalized(
-                    vw, inv_oh[:, :, q0:q1], out=dst("value_weighted_normalized")
-                )
-            if "factor_norm_ratio" in want:
-                assert vt_norm is not None and inv_oh is not None
-                _factor_norm_ratio(vt_norm[..., :q1], inv_oh[:, :, q0:q1], out=dst("factor_norm_ratio"))
-            if need_cos:
-                cos = _factor_cos(u_cos[:, :, q0:q1], v_cos[..., :q1], out=dst("factor_cos"))
-            if "contribution" in want:
-                _contribution(vwn, cos, out=dst("contribution"))
-            if need_share:
-                share = _head_share(a, u_share[:, :, q0:q1], v_t[..., :q1], out=dst("head_share"))
-            if "contribution_inter" in want:
-                _contribution_inter(share, out=dst("contribution_inter"))
-            if "attention_inter" in want:
-                _attention_inter(a, out=dst("attention_inter"))
-            if need_vwi:
-                a_kept = a if keep is None else a * keep[:, :, q0:q1]  # unmodified heads only
-                vwi = _value_weighted_inter(a_kept, gram[..., :q1], out=dst("value_weighted_inter"))
-            if "value_weighted_normalized_inter" in want:
-                assert inv_ol is not None
-                _value_weighted_normalized_inter(
-                    vwi, inv_ol[:, q0:q1, None], out=dst("value_weighted_normalized_inter")
-                )
-
-            # not sources: keys after the block, and the block's own upper triangle (key > query)
-            for t in out.values():
-                t[..., q0:q1, q1:] = 0
-            for t in factors + (others if any(nan_rows[q0:q1]) else []):
-                t[..., q0:q1, q0:q1].tril_()
-        self._metrics.update(out)
-
-
-def _inter_key(name: str) -> str:
-    return "contribution_inter" if name == "contribution" else f"{name}_inter"
-
-
-_WO_GRAMS: OrderedDict[tuple[Any, ...], tuple[Tensor, Tensor]] = OrderedDict()
-
-
-def _wo_gram_full(W_O: WO) -> Float[Tensor, "head_index d_head head_index2 d_head2"]:
-    """``W_O[h] @ W_O[g].T`` for all head pairs, kept for the last 64 weight tensors seen.
-
-    A weight-only product: computed once per layer rather than once per forward pass. An entry is used
-    only if the stored copy of ``W_O`` still equals the tensor given (``torch.equal``), so freed and
-    reused memory or an in-place edit of the weights can never return a stale Gram matrix.
-    """
-    w_o = W_O.detach()
-    key = (w_o.data_ptr(), tuple(w_o.shape), tuple(w_o.stride()), w_o.dtype, str(w_o.device))
-    hit = _WO_GRAMS.get(key)
-    if hit is not None and torch.equal(hit[0], w_o):
-        _WO_GRAMS.move_to_end(key)
-        return hit[1]
-    w = einops.rearrange(w_o, "h d m -> (h d) m")
-    gram = einops.rearrange(w @ w.T, "(h d) (g e) -> h d g e", h=w_o.shape[0], g=w_o.shape[0])
-    _WO_GRAMS[key] = (w_o.clone(), gram)
-    _WO_GRAMS.move_to_end(key)
-    while len(_WO_GRAMS) > 64:
-        _WO_GRAMS.popitem(last=False)
-    return gram
-
-
-# ---- the formulas of SPEC.md §A on one block of queries (views, ``out=`` a view of the result)
-
-
-def _value_weighted(alpha: Tensor, vt_norm: Tensor, out: Tensor | None) -> Tensor:
-    """``alpha[h,i,j] * ‖vt[j,h]‖``."""
-    return torch.mul(alpha, vt_norm, out=out)
-
-
-def _value_weighted_normalized(vw: Tensor, inv_o: Tensor, out: Tensor | None) -> Tensor:
-    """``alpha[h,i,j] * ‖vt[j,h]‖ / ‖o[i,h]‖`` (``inv_o = 1/‖o[i,h]‖``, NaN where ``‖o[i,h]‖ = 0``)."""
-    return torch.mul(vw, inv_o, out=out)
-
-
-def _factor_norm_ratio(vt_norm: Tensor, inv_o: Tensor, out: Tensor | None) -> Tensor:
-    """``‖vt[j,h]‖ / ‖o[i,h]‖``."""
-    return torch.mul(vt_norm, inv_o, out=out)
-
-
-def _factor_cos(u_unit: Tensor, v_unit: Tensor, out: Tensor | None) -> Tensor:
-    """``cos(o[i,h], vt[j,h]) = (o[i,h] @ W_O[h].T / ‖o[i,h]‖) . (v[j,h] / ‖vt[j,h]‖)``, one matmul in ``d_head``.
-
-    ``u_unit [b h q d]`` is ``o @ W_O[h].T / ‖o‖`` (NaN rows where ``‖o‖ = 0``); ``v_unit [b h d k]`` is
-    ``v / ‖vt‖`` (0 where ``‖vt‖ = 0``, giving a cosine of 0).
-    """
-    return torch.matmul(u_unit, v_unit, out=out)
-
-
-def _contribution(vwn: Tensor, cos: Tensor, out: Tensor | None) -> Tensor:
-    """``c[h,i,j] = <o[i,h], alpha[h,i,j] vt[j,h]> / ‖o[i,h]‖² = (alpha ‖vt[j,h]‖ / ‖o[i,h]‖) * cos(o[i,h], vt[j,h])``."""
-    return torch.mul(vwn, cos, out=out)
-
-
-def _head_share(alpha: Tensor, u_share: Tensor, v_t: Tensor, out: Tensor | None) -> Tensor:
-    """``c[h→i,j] = <o[i], alpha[h,i,j] vt[j,h]> / ‖o[i]‖² = alpha * v[j,h] . (o[i] @ W_O[h].T / ‖o[i]‖²)``.
-
-    ``u_share [b h q d]`` is ``o[i] @ W_O[h].T / ‖o[i]‖²``; ``v_t [b h d k]``.
-    """
-    share = torch.matmul(u_share, v_t, out=out)
-    return share.mul_(alpha)
-
-
-def _contribution_inter(share: Tensor, out: Tensor | None) -> Tensor:
-    """``c[i,j] = <o[i], sum_h alpha[h,i,j] vt[j,h]> / ‖o[i]‖² = sum_h c[h→i,j]``."""
-    return torch.sum(share, dim=1, out=out)
-
-
-def _attention_inter(alpha: Tensor, out: Tensor | None) -> Tensor:
-    """``mean_h alpha[h,i,j]``."""
-    return torch.mean(alpha, dim=1, out=out)
-
-
-def _value_weighted_inter(
-    alpha: Float[Tensor, "batch head_index q k"],
-    gram: Float[Tensor, "head_index head_index2 batch k"],
-    out: Tensor | None = None,
-) -> Float[Tensor, "batch q k"]:
-    """``‖sum_h alpha[h,i,j] vt[j,h]‖ = sqrt(sum_{h,g} alpha[h,i,j] alpha[g,i,j] G_j[h,g])`` (``G`` symmetric)."""
-    n_heads = alpha.shape[1]
-    twice = gram * 2.0  # [h g b k]: pre-scaled, since addcmul_(value=2) with broadcasting is a slow path
-    sq = torch.zeros_like(alpha[:, 0]) if out is None else out.zero_()
-    acc = torch.empty_like(alpha[:, 0])  # [b q k]
-    for h in range(n_heads):
-        torch.mul(alpha[:, h], gram[h, h][:, None, :], out=acc)
-        for g in range(h + 1, n_heads):
-            acc.addcmul_(alpha[:, g], twice[h, g][:, None, :])
-        sq.addcmul_(acc, alpha[:, h])
-    return sq.clamp_min_(0).sqrt_()
-
-
-def _value_weighted_normalized_inter(vwi: Tensor, inv_o: Tensor, out: Tensor | None) -> Tensor:
-    """``‖sum_h alpha[h,i,j] vt[j,h]‖ / ‖o[i]‖``."""
-    return torch.mul(vwi, inv_o, out=out)
 
 
 def _check_metrics(metrics: Sequence[str] | None, allowed: Sequence[str], kind: str) -> tuple[str, ...]:
@@ -581,6 +141,18 @@ class ContributionResult:
             return self.layers.index(layer)
         except ValueError:
             raise IndexError(f"layer {layer} was not analysed; analysed layers are {self.layers}") from None
+
+    def summary(self) -> dict[str, Any]:
+        """The headline numbers of :func:`contribution_overview`, from this result in memory.
+
+        ``{"n_heads", "n_texts", "sink_attention", "sink_contribution", "sink_value_weighted_normalized",
+        "negative_share", "top1_agreement", "view_layer", "view_layer_tv"}``: means over heads of the
+        per-head statistics of :func:`~mechgeom.analyses.contribution_stats.score_sums` (texts and queries
+        ``i >= 1``), and the layer of largest whole-layer TV between attention and contribution with that
+        TV. Needs the intra- and inter-head metrics ``attention``, ``value_weighted_normalized`` and
+        ``contribution`` (a ``ValueError`` names any that is missing).
+        """
+        return result_summary(self.layers, self.intra, self.inter)
 
     def to_frame(
         self,
@@ -651,7 +223,8 @@ class ContributionCollector:
     (``{"intra": {...}, "inter": {...}}`` per layer), so memory stays at one layer's worth; with
     ``reuse_buffers=True`` as well, every layer is written into the same tensors (no fresh memory per
     layer), so the callback must copy whatever it keeps. Without ``on_layer``, the metrics are written
-    straight into the ``[batch, layer, ...]`` tensors of the result (no second copy).
+    straight into the ``[batch, layer, ...]`` tensors of the result (no second copy). :meth:`result` takes
+    the analysed tokens (optional) and derives their strings from the model's tokenizer.
 
     >>> import torch
     >>> from transformer_lens.config import TransformerBridgeConfig
@@ -694,6 +267,7 @@ class ContributionCollector:
         self._modified: dict[int, tuple[Tensor, Tensor]] = {}  # layer -> (modified [b h q], share [b h q])
         self._buffers: tuple[dict[str, Tensor], dict[str, Tensor]] | None = None
         self._store: tuple[dict[str, Tensor], dict[str, Tensor]] | None = None
+        self._after_layer: Callable[[int], Any] | None = None  # progress of contribution_weights
 
     @property
     def fwd_hooks(self) -> list[FwdHook]:
@@ -758,13 +332,15 @@ class ContributionCollector:
             self._intra[acts.layer] = intra
             self._inter[acts.layer] = inter
             self._modified[acts.layer] = (modified, share)
+        if self._after_layer is not None:
+            self._after_layer(acts.layer)
 
     def feed_cache(self, cache: Any) -> None:
         self.collector.feed_cache(cache)
 
-    def result(
-        self, tokens: Tokens | None = None, str_tokens: list[list[str]] | None = None
-    ) -> ContributionResult:
+    def result(self, tokens: Tokens | None = None) -> ContributionResult:
+        """The metrics of the last pass as a :class:`ContributionResult`; ``tokens`` (optional) are the
+        analysed ids, whose strings come from the model's tokenizer (none without a tokenizer)."""
         missing = [layer for layer in self.layers if layer not in self._intra]
         if missing:
             raise RuntimeError(
@@ -789,7 +365,7 @@ class ContributionCollector:
             tokens=None if tokens is None else tokens.detach().cpu(),
             intra=intra,
             inter=inter,
-            str_tokens=str_tokens,
+            str_tokens=None if tokens is None else _str_tokens(self.model, tokens),
             model_name=str(getattr(self.model.cfg, "model_name", "")),
             modified=torch.stack([self._modified[la][0] for la in self.layers], dim=1),
             modified_share=torch.stack([self._modified[la][1] for la in self.layers], dim=1),
@@ -797,6 +373,7 @@ class ContributionCollector:
 
 
 def _str_tokens(model: Any, tokens: Tokens) -> list[list[str]] | None:
+    """Each row of ``tokens`` as strings (``model.to_str_tokens``); ``None`` for a model without a tokenizer."""
     if getattr(model, "tokenizer", None) is None:
         return None
     return [list(model.to_str_tokens(row)) for row in tokens]
@@ -810,17 +387,33 @@ def contribution_weights(
     intra: Sequence[str] | None = None,
     inter: Sequence[str] | None = None,
     extra_hooks: Sequence[FwdHook] = (),
+    verbose: bool = False,
 ) -> ContributionResult:
     """Contribution weights and baselines of every head of ``layers`` (default: all) in one pass.
 
     ``intra``/``inter`` choose the metrics kept (default: all of :data:`INTRA_METRICS` and
     :data:`INTER_METRICS`); each costs ``batch * layers * heads * q * k`` floats. ``extra_hooks`` run in
-    the same pass (e.g. a patching hook), before mechgeom's readers on the same hook point.
+    the same pass (e.g. a patching hook), before mechgeom's readers on the same hook point. ``verbose``
+    shows a progress bar over the layers as they are computed.
     """
     tokens = to_tokens(model, tokens_or_text)
     col = ContributionCollector(model, layers, intra=intra, inter=inter)
-    run_hooks(model, tokens, [*extra_hooks, *col.fwd_hooks], stop_at_layer=max(col.layers) + 1)
-    return col.result(tokens, _str_tokens(model, tokens))
+    bar = _layer_bar(col.layers, verbose)
+    col._after_layer = lambda _layer: next(bar, None)
+    try:
+        run_hooks(model, tokens, [*extra_hooks, *col.fwd_hooks], stop_at_layer=max(col.layers) + 1)
+    finally:
+        close = getattr(bar, "close", None)
+        if close is not None:
+            close()
+    return col.result(tokens)
+
+
+def _layer_bar(layers: Sequence[int], enabled: bool) -> Iterator[int]:
+    """A progress bar over ``layers`` (desc "contributions"), opened at 0; each ``next`` marks one layer done."""
+    bar = iter(progress(layers, desc="contributions", enabled=enabled, total=len(layers)))
+    next(bar, None)
+    return bar
 
 
 def contribution_weights_from_cache(
@@ -837,10 +430,106 @@ def contribution_weights_from_cache(
     table has no token columns. A cache taken under a ``hook_z`` patch is marked like a live pass."""
     col = ContributionCollector(model, layers, intra=intra, inter=inter)
     col.feed_cache(cache)
-    if tokens is None:
-        return col.result(None, None)
-    tokens = to_tokens(model, tokens)
-    return col.result(tokens, _str_tokens(model, tokens))
+    return col.result(None if tokens is None else to_tokens(model, tokens))
+
+
+@dataclass
+class ContributionOverview:
+    """Headline statistics of contribution weights over a corpus (:func:`contribution_overview`).
+
+    ``heads``: one row per ``(layer, head)``, columns ``layer, head`` and the statistics of
+    :func:`~mechgeom.analyses.contribution_stats.score_sums` (``sink_attention``,
+    ``sink_value_weighted_normalized``, ``sink_contribution``, ``negative_share``, ``top1_agreement``,
+    ``tv_attention_contribution``: means over texts and queries ``i >= 1``); ``layers``: the same
+    statistics of the whole-layer (inter-head) metrics, one row per layer. ``view_layer`` is the layer of
+    largest whole-layer TV (the first if all are NaN) and ``view`` its intra/inter ``attention`` and
+    ``contribution`` for text 0.
+    """
+
+    heads: pd.DataFrame
+    layers: pd.DataFrame
+    view_layer: int
+    view: ContributionResult
+    n_texts: int
+
+    def to_frame(self) -> pd.DataFrame:
+        """The per-head table :attr:`heads`."""
+        return self.heads
+
+    def summary(self) -> dict[str, Any]:
+        """``{"n_heads", "n_texts", "sink_attention", "sink_contribution", "sink_value_weighted_normalized",
+        "negative_share", "top1_agreement", "view_layer", "view_layer_tv"}``: means over heads and the
+        view layer with its whole-layer TV (the same keys as :meth:`ContributionResult.summary`)."""
+        return overview_summary(self.heads, self.layers, self.n_texts)
+
+
+def contribution_overview(
+    model: Any,
+    tokens_or_text: str | Sequence[str] | Tensor,
+    *,
+    layers: int | Sequence[int] | None = None,
+    batch_size: int = 4,
+    extra_hooks: Sequence[FwdHook] = (),
+    verbose: bool = False,
+) -> ContributionOverview:
+    """Headline statistics of contribution weights over many texts, ``batch_size`` texts per pass.
+
+    Streams :class:`ContributionCollector` (``on_layer``) with the metrics ``attention``,
+    ``value_weighted_normalized`` and ``contribution``: each layer's metrics are reduced to ``(sum, count)``
+    pairs (:class:`~mechgeom.analyses.contribution_stats.ScoreTotals`) as soon as they are computed, so
+    memory stays at one layer of one batch (plus text 0 of each layer for the view). ``verbose`` shows a
+    progress bar over the batches.
+
+    >>> import torch
+    >>> from transformer_lens.config import TransformerBridgeConfig
+    >>> from transformer_lens.model_bridge import TransformerBridge
+    >>> cfg = TransformerBridgeConfig(n_layers=2, d_model=8, n_ctx=8, d_head=4, n_heads=2,
+    ...                               attn_only=True, d_vocab=10, seed=0)
+    >>> model = TransformerBridge.boot_native(cfg)
+    >>> ov = contribution_overview(model, torch.tensor([[1, 2, 3, 4], [4, 3, 2, 1]]), batch_size=1)
+    >>> ov.summary()["n_heads"], ov.summary()["n_texts"], ov.view.layers == [ov.view_layer]
+    (4, 2, True)
+    """
+    if int(batch_size) < 1:
+        raise ValueError(f"batch_size must be at least 1, got {batch_size}")
+    tokens = to_tokens(model, tokens_or_text)
+    totals = ScoreTotals()
+    first: dict[int, dict[str, dict[str, Tensor]]] = {}
+    kept = ("attention", "contribution")
+
+    def on_layer(layer: int, m: dict[str, dict[str, Tensor]]) -> None:
+        intra, inter = m["intra"], m["inter"]  # [b h q k] and [b q k]
+        totals.add(layer, intra, inter)
+        if layer not in first:  # text 0 (first batch) for the view
+            first[layer] = {
+                "intra": {k: intra[k][:1].clone() for k in kept},
+                "inter": {k: inter[k][:1].clone() for k in kept},
+            }
+
+    metrics = list(SUMMARY_METRICS)
+    col = ContributionCollector(model, layers, intra=metrics, inter=metrics, on_layer=on_layer)
+    stop = max(col.layers) + 1
+    hooks = [*extra_hooks, *col.fwd_hooks]
+    run_batches(
+        model,
+        tokens,
+        hooks,
+        batch_size=int(batch_size),
+        stop_at_layer=stop,
+        desc="contributions",
+        verbose=verbose,
+    )
+    heads, layer_frame = totals.heads_frame(), totals.layers_frame()
+    view_layer = view_layer_of(layer_frame)
+    view = ContributionResult(
+        layers=[view_layer],
+        tokens=tokens[:1].cpu(),
+        intra={k: v[:, None] for k, v in first[view_layer]["intra"].items()},
+        inter={k: v[:, None] for k, v in first[view_layer]["inter"].items()},
+        str_tokens=_str_tokens(model, tokens[:1]),
+        model_name=str(getattr(model.cfg, "model_name", "")),
+    )
+    return ContributionOverview(heads, layer_frame, view_layer, view, n_texts=int(tokens.shape[0]))
 
 
 def reconstruct_attn_out(model: Any, acts: LayerActivations) -> Float[Tensor, "batch pos d_model"]:

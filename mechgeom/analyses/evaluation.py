@@ -1,23 +1,60 @@
-"""Next-token loss under hooks: the one place where perplexity is computed.
+"""Next-token loss and multiple-choice scoring under hooks: the one place where both are computed.
 
 Faithfulness (masking), sinks (ablation) and pruning all measure ``ΔPPL`` as
 ``PPL(with hooks) − PPL(clean)``, where PPL is ``exp`` of the mean next-token NLL over all predicted
-tokens of all texts. Per-text mean NLLs are returned too, for bootstrap intervals.
+tokens of all texts (:func:`token_nll`, :func:`text_nll`, :func:`perplexity`). Per-text mean NLLs are
+returned too, for bootstrap intervals.
+
+Multiple-choice items (:class:`~mechgeom.data.TaskItem`) are tokenised once (:func:`encode_choices`: the
+prompt with the model's BOS default, each choice without BOS, long prompts cut from the left); a choice's
+score is ``log p(choice | prompt) = sum_t log p(c_t | prompt, c_<t)`` (:func:`score_choices`), and an item
+is answered correctly when its highest score, the first on ties, is the gold answer
+(:func:`predicted_correct`, :func:`task_accuracy`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 
 from mechgeom._progress import progress
-from mechgeom.hooks import FwdHook
+from mechgeom.hooks import FwdHook, run_hooks
 from mechgeom.typing import Float, Tensor, Tokens
 
-__all__ = ["bootstrap_ci", "perplexity", "text_nll"]
+__all__ = [
+    "EncodedItem",
+    "bootstrap_ci",
+    "encode_choices",
+    "perplexity",
+    "predicted_correct",
+    "score_choices",
+    "task_accuracy",
+    "text_nll",
+    "token_nll",
+]
+
+
+# --------------------------------------------------------------------------- next-token loss
+
+
+def token_nll(
+    model: Any,
+    inputs: Tokens | Float[Tensor, "batch pos d_model"],
+    fwd_hooks: Sequence[FwdHook] = (),
+    **forward_kwargs: Any,
+) -> Float[Tensor, "batch pos_minus_1"]:
+    """Next-token NLL ``-log p(t_{i+1} | t_<=i)`` at every position, float32 on the CPU.
+
+    One forward under ``torch.no_grad()`` with ``fwd_hooks`` attached (removed afterwards, also on error),
+    TransformerLens' ``return_type="loss", loss_per_token=True``. ``forward_kwargs`` go to the model, e.g.
+    ``start_at_layer=l, tokens=tokens`` to run from a residual stream ``inputs``.
+    """
+    with torch.no_grad(), model.hooks(fwd_hooks=list(fwd_hooks), reset_hooks_end=True):
+        loss = model(inputs, return_type="loss", loss_per_token=True, **forward_kwargs)
+    return loss.float().cpu()
 
 
 def text_nll(
@@ -29,7 +66,7 @@ def text_nll(
     verbose: bool = False,
     desc: str = "nll",
 ) -> Float[Tensor, " batch"]:
-    """Mean next-token NLL of each text (``[n_texts]``), with ``fwd_hooks`` attached.
+    """Mean next-token NLL of each text (``[n_texts]``, the mean of :func:`token_nll` over positions).
 
     ``fwd_hooks`` may be a callable ``batch_slice -> hooks`` for hooks that depend on which texts are
     in the batch (per-text masks). Hooks are removed after every batch, also on error.
@@ -41,10 +78,7 @@ def text_nll(
     for start in progress(starts, desc=desc, enabled=verbose, total=len(starts)):
         sl = slice(start, min(start + batch_size, tokens.shape[0]))
         hooks = fwd_hooks(sl) if callable(fwd_hooks) else fwd_hooks
-        batch = tokens[sl].to(model.cfg.device)
-        with torch.no_grad(), model.hooks(fwd_hooks=list(hooks), reset_hooks_end=True):
-            loss = model(batch, return_type="loss", loss_per_token=True)  # [batch, pos-1]
-        out.append(loss.float().mean(dim=-1).cpu())
+        out.append(token_nll(model, tokens[sl].to(model.cfg.device), hooks).mean(dim=-1))
     return torch.cat(out)
 
 
@@ -71,3 +105,149 @@ def bootstrap_ci(
     vals = np.array([stat(x[i]) for i in idx])
     lo, hi = np.quantile(vals, [(1 - level) / 2, 1 - (1 - level) / 2])
     return float(lo), float(hi)
+
+
+# --------------------------------------------------------------------------- multiple choice
+
+
+class EncodedItem(NamedTuple):
+    """Token ids of one multiple-choice item: the prompt (model's BOS default) and each choice (no BOS)."""
+
+    prompt: list[int]
+    choices: list[list[int]]
+
+
+def _encode(model: Any, text: str, *, prepend_bos: bool) -> list[int]:
+    """Token ids of ``text`` with the model's tokenizer (one place, so tests can swap it)."""
+    return [int(t) for t in model.to_tokens(text, prepend_bos=prepend_bos, truncate=False)[0].tolist()]
+
+
+def encode_choices(model: Any, items: Sequence[Any], max_len: int | None = None) -> list[EncodedItem]:
+    """Tokenise multiple-choice items (``.prompt``, ``.choices``, ``.answer``, e.g. :class:`~mechgeom.data.TaskItem`).
+
+    The prompt gets the model's BOS default (``model.cfg.default_prepend_bos``), each choice none; a prompt
+    longer than ``max_len - (longest choice)`` (``max_len`` defaults to ``n_ctx``) loses tokens from the
+    left, so every ``prompt + choice`` fits in ``max_len``. Raises ``ValueError`` for an answer out of
+    range (or no choices), a choice with no tokens, a choice not shorter than ``max_len`` and an empty
+    prompt.
+    """
+    limit = int(model.cfg.n_ctx) if max_len is None else int(max_len)
+    bos = bool(getattr(model.cfg, "default_prepend_bos", False))
+    out = []
+    for i, item in enumerate(items):
+        if not item.choices or not 0 <= int(item.answer) < len(item.choices):
+            raise ValueError(f"item {i} has answer {item.answer} but {len(item.choices)} choices")
+        choices = []
+        for c, choice in enumerate(item.choices):
+            ids = _encode(model, choice, prepend_bos=False)
+            if not ids:
+                raise ValueError(f"item {i} choice {c} ({choice!r}) has no tokens")
+            if len(ids) >= limit:
+                raise ValueError(
+                    f"item {i} choice {c} is {len(ids)} tokens, not shorter than max_len={limit}"
+                )
+            choices.append(ids)
+        prompt = _encode(model, item.prompt, prepend_bos=bos)
+        prompt = prompt[-(limit - max(len(ids) for ids in choices)) :]  # left-truncate long prompts
+        if not prompt:
+            raise ValueError(f"item {i} has an empty prompt; the first choice token needs a context")
+        out.append(EncodedItem(prompt, choices))
+    return out
+
+
+def _as_encoded(model: Any, items: Sequence[Any], max_len: int | None) -> list[EncodedItem]:
+    if not items:
+        raise ValueError("no items to score")
+    if not isinstance(items[0], tuple):
+        return encode_choices(model, items, max_len)
+    enc = [EncodedItem([int(t) for t in p], [[int(t) for t in ch] for ch in chs]) for p, chs in items]
+    if any(not p or not ch for p, chs in enc for ch in chs):
+        raise ValueError("every prompt and every choice needs at least one token")
+    return enc
+
+
+def score_choices(
+    model: Any,
+    items: Sequence[Any],
+    fwd_hooks: Sequence[FwdHook] = (),
+    *,
+    batch_size: int = 8,
+    max_len: int | None = None,
+) -> Float[Tensor, "item choice"]:
+    """Summed log-likelihood of each choice's tokens given the prompt, ``log p(choice | prompt)`` (float64).
+
+    ``items`` are task items (tokenised by :func:`encode_choices` with ``max_len``) or already tokenised
+    :class:`EncodedItem` / ``(prompt_ids, [choice_ids, ...])``. Where every choice of an item is one token,
+    one forward of the prompt scores all of them (from the last position); otherwise each
+    ``prompt + choice`` is one sequence. Sequences are sorted by length and right-padded; with causal
+    attention the padding never reaches a scored position. Every item must have the same number of choices.
+    """
+    enc = _as_encoded(model, items, max_len)
+    n_choices = {len(item.choices) for item in enc}
+    if len(n_choices) != 1:
+        raise ValueError(f"items have different numbers of choices: {sorted(n_choices)}")
+    # a job: (sequence ids, [(item, choice, scored positions, target ids)])
+    jobs: list[tuple[list[int], list[tuple[int, int, list[int], list[int]]]]] = []
+    for i, (p, chs) in enumerate(enc):
+        if all(len(ch) == 1 for ch in chs):
+            jobs.append((p, [(i, c, [len(p) - 1], ch) for c, ch in enumerate(chs)]))
+        else:
+            jobs += [
+                (p + ch, [(i, c, list(range(len(p) - 1, len(p) - 1 + len(ch))), ch)])
+                for c, ch in enumerate(chs)
+            ]
+    jobs.sort(key=lambda job: len(job[0]))
+    scores = torch.full((len(enc), n_choices.pop()), float("nan"), dtype=torch.float64)
+    for start in range(0, len(jobs), batch_size):
+        chunk = jobs[start : start + batch_size]
+        batch = torch.zeros(len(chunk), max(len(ids) for ids, _ in chunk), dtype=torch.long)
+        for row, (ids, _) in enumerate(chunk):
+            batch[row, : len(ids)] = torch.tensor(ids)
+        logits = run_hooks(
+            model, batch.to(model.cfg.device), fwd_hooks, return_type="logits"
+        )  # [batch pos vocab]
+        for row, (_, targets) in enumerate(chunk):
+            for i, c, pos, tgt in targets:
+                logp = torch.log_softmax(logits[row, pos].double(), dim=-1).cpu()  # [n_scored vocab]
+                scores[i, c] = logp[torch.arange(len(tgt)), torch.tensor(tgt)].sum()
+    return scores
+
+
+def predicted_correct(
+    scores: Float[Tensor, "item choice"] | np.ndarray | Sequence[Sequence[float]], answers: Sequence[int]
+) -> np.ndarray:
+    """``1.0`` per item where the highest score (the first on ties) is the answer, else ``0.0``.
+
+    ``scores`` is ``[item, choice]`` or one list per item (items may have different numbers of choices).
+
+    >>> predicted_correct([[0.1, 0.5], [0.3, 0.3], [1.0, 0.0, 2.0]], [1, 1, 2]).tolist()
+    [1.0, 0.0, 1.0]
+    """
+    if isinstance(scores, Tensor):
+        rows: list[np.ndarray] = list(scores.detach().cpu().double().numpy())
+    else:
+        rows = [np.asarray(s, dtype=np.float64) for s in scores]
+    gold = [int(a) for a in answers]
+    if len(rows) != len(gold):
+        raise ValueError(f"{len(rows)} rows of scores but {len(gold)} answers")
+    for i, (s, a) in enumerate(zip(rows, gold, strict=True)):
+        if s.ndim != 1 or not 0 <= a < len(s):
+            raise ValueError(f"item {i} has answer {a} but {s.size} scores")
+    return np.array([float(int(np.argmax(s)) == a) for s, a in zip(rows, gold, strict=True)])
+
+
+def task_accuracy(
+    model: Any,
+    items: Sequence[Any],
+    fwd_hooks: Sequence[FwdHook] = (),
+    *,
+    batch_size: int = 8,
+    max_len: int | None = None,
+    encoded: Sequence[EncodedItem] | Sequence[tuple[list[int], list[list[int]]]] | None = None,
+) -> float:
+    """Share of items whose highest-scoring choice (:func:`score_choices`, :func:`predicted_correct`) is
+    the gold answer; ``encoded`` (from :func:`encode_choices`) skips the tokenisation."""
+    scores = score_choices(
+        model, encoded if encoded is not None else items, fwd_hooks, batch_size=batch_size, max_len=max_len
+    )
+    return float(predicted_correct(scores, [item.answer for item in items]).mean())

@@ -2,42 +2,28 @@
 
 SPEC: "Removing source ``j`` from query ``i`` = setting ``alpha[h,i,j] = 0`` **without renormalising**
 (this deletes ``alpha vt`` from ``o[i]``), as a hook on ``hook_pattern``." The sources of each query are
-ranked by a metric of :mod:`mechgeom.analyses.contribution` (intra-head metrics rank per head, inter-head metrics
-rank once per layer and apply to every head) or at random; at removal rate ``r``, ``ceil(r * (i+1))``
-sources of query ``i`` are removed: the top-ranked (**comprehensiveness**: a larger ΔPPL is more
-faithful) or the bottom-ranked (**sufficiency**: a smaller ΔPPL is more faithful).
+ranked from a clean pass by a metric of :mod:`mechgeom.analyses.contribution` or at random
+(:mod:`mechgeom.analyses.rankings` fixes the ranking conventions: clean ranking and no re-ranking, ties,
+NaN, the seeded random control); at removal rate ``r``, ``ceil(r * (i+1))`` sources of query ``i`` are
+removed: the top-ranked (**comprehensiveness**: a larger ΔPPL is more faithful) or the bottom-ranked
+(**sufficiency**: a smaller ΔPPL is more faithful).
 
-Conventions fixed here (keyword arguments keep the defaults):
-
-- **Clean ranking, no re-ranking.** Rankings are computed once, from a clean forward pass (no hooks of
-  ours); the masked pass applies that ranking at every chosen layer and never re-ranks, even though the
-  masked pass's own activations at later layers differ from the clean ones.
-- **Ranking.** Per query ``i``, only sources ``j <= i`` are ranked (``j > i`` are never counted and
-  never removed). Sources are sorted by the **signed** metric value, largest first (rank 0 = top), with
-  a stable sort, so ties go to the **lower position first**. A NaN metric value (a zero output norm,
-  see :mod:`mechgeom.analyses.contribution`) ranks **below every finite value**; inside a fully NaN row the
-  order is by position.
 - **Counting.** ``n_i = ceil(r * (i+1))`` with ``r * (i+1)`` rounded to 9 decimals first, so that
   ``0.3 * 10`` counts 3 sources and not 4 (binary floating point would give ``3.0000000000000004``).
   Rate 0 removes nothing (the hook then returns the clean pattern exactly); rate 1 removes every source,
   so ``hook_attn_out`` reads ``b_O``.
-- **Per-query normalisation does not change a ranking.** ``value_weighted_normalized`` is
-  ``value_weighted`` divided by one positive number per query (``‖o[i,h]‖`` or ``‖o[i]‖``), so both rank
-  the sources of a query identically (up to ties made by rounding) and give the same curves; sweeps
-  detect identical rankings and run their masked passes once.
-- **Random control.** ``metric="random"`` ranks by uniform noise drawn from a generator seeded with
-  ``(seed, content hash of the text, layer)``: reproducible for a seed, independent of batching.
-- **Storage.** Ranks are stored as the per-query rank of each source in the smallest integer dtype
-  (uint8 up to 256 positions); the hook builds the boolean mask on the fly from ``(rank, rate, mode)``.
 
 Sweeps (:func:`perplexity_curves`, :func:`task_accuracy_curves`) run one clean pass per batch of texts
-(clean loss and every ranking), then one forward-only masked pass per (metric, mode, rate). With ``out``
-they record per-text results after every masked pass and resume from them.
+(clean loss and every ranking), then one forward-only masked pass per (metric, mode, rate). With
+``checkpoint`` they record per-text results after every masked pass and resume from them. ``extra_hooks``
+(e.g. :func:`mechgeom.hooks.head_ablation_hooks`) are attached before the masking hooks in every pass,
+clean and masked, so the curves are those of the modified model. :func:`faithfulness_summary` (ranks the
+metrics on a ΔPPL table and judges paper A's claimed order) and :func:`area_ordering` live in
+:mod:`mechgeom.analyses.rankings` and are re-exported here.
 """
 
 from __future__ import annotations
 
-import hashlib
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -49,20 +35,24 @@ import pandas as pd
 import torch
 
 from mechgeom._io import write_frame
-from mechgeom.analyses.contribution import (
-    INTER_METRICS,
-    INTRA_METRICS,
-    RANKING_METRICS,
-    ContributionCollector,
+from mechgeom.analyses.evaluation import bootstrap_ci, encode_choices, predicted_correct
+from mechgeom.analyses.rankings import (
+    FAITHFULNESS_METRICS,
+    SCOPES,
+    SourceRanking,
+    _check_common,
+    _clean_pass,
+    _rkey,
+    _settings,
+    _target_logprob,
+    _unit_hash,
+    area_ordering,
+    faithfulness_summary,
+    source_rankings,
 )
-from mechgeom.analyses.evaluation import bootstrap_ci
 from mechgeom.hooks import (
     MODES,
     FwdHook,
-    check_decoder,
-    check_index,
-    check_mode,
-    check_rate,
     mask_sources_hook,
     masking_hooks,
     n_removed,
@@ -70,11 +60,10 @@ from mechgeom.hooks import (
     ranked_mask_hook,
     removal_interval,
     removal_mask,
-    resolve_layers,
     to_tokens,
 )
 from mechgeom.sweep import Item, LocalExecutor, RowStore, run_sweep
-from mechgeom.typing import Bool, Float, Int, SourceRanks, Tensor, Tokens
+from mechgeom.typing import Bool, Float, Tensor, Tokens
 
 __all__ = [
     "DEFAULT_RATES",
@@ -82,6 +71,8 @@ __all__ = [
     "MODES",
     "SCOPES",
     "SourceRanking",
+    "area_ordering",
+    "faithfulness_summary",
     "mask_sources_hook",
     "masking_hooks",
     "n_removed",
@@ -94,254 +85,14 @@ __all__ = [
     "task_accuracy_curves",
 ]
 
-#: Intra-head metrics rank per head; inter-head metrics rank once per layer and apply to all heads.
-SCOPES = ("intra", "inter")
-#: The metrics compared by default: paper A's four, in its claimed order, and the random control.
-FAITHFULNESS_METRICS = (*RANKING_METRICS, "random")
 #: SPEC's rates ``0, 0.1, ..., 0.9``.
 DEFAULT_RATES = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
 
 _CLEAN = "clean"
-
-
-# --------------------------------------------------------------------------- validation
-
-
-def _check_rates(rates: Sequence[float]) -> tuple[float, ...]:
-    if isinstance(rates, (int, float)):
-        rates = (rates,)
-    out = tuple(dict.fromkeys(_rkey(check_rate(r)) for r in rates))
-    if not out:
-        raise ValueError("rates is empty; give at least one rate in [0, 1]")
-    return out
-
-
-def _check_modes(modes: Sequence[str]) -> tuple[str, ...]:
-    if isinstance(modes, str):
-        modes = (modes,)
-    out = tuple(dict.fromkeys(check_mode(m) for m in modes))
-    if not out:
-        raise ValueError(f"modes is empty; choose from {list(MODES)}")
-    return out
-
-
-def _check_scope(scope: str) -> str:
-    if scope not in SCOPES:
-        raise ValueError(
-            f"unknown scope {scope!r}; choose 'intra' (rank per head) or 'inter' (rank per layer)"
-        )
-    return scope
-
-
-def _check_metrics(metrics: Sequence[str], scope: str) -> tuple[str, ...]:
-    if isinstance(metrics, str):
-        metrics = (metrics,)
-    allowed = (*(INTRA_METRICS if scope == "intra" else INTER_METRICS), "random")
-    unknown = [m for m in metrics if m not in allowed]
-    if unknown:
-        raise ValueError(f"unknown {scope}-head ranking metric(s) {unknown}; choose from {list(allowed)}")
-    out = tuple(dict.fromkeys(metrics))
-    if not out:
-        raise ValueError(f"metrics is empty; choose from {list(allowed)}")
-    return out
-
-
-def _rkey(rate: float) -> float:
-    """Rates are compared and stored rounded to 10 decimals (so CSV round trips match)."""
-    return round(float(rate), 10)
-
-
-# --------------------------------------------------------------------------- ranking maths
-
-
-# --------------------------------------------------------------------------- hooks
-
-
-@dataclass
-class SourceRanking:
-    """Per-query rankings of the sources at each layer, computed from a clean pass.
-
-    ``ranks[layer]`` is ``[batch, head_index, q, k]`` (``scope="intra"``) or ``[batch, 1, q, k]``
-    (``scope="inter"``, one ranking applied to every head): the rank of source ``j`` among the sources
-    ``j' <= i`` of query ``i`` (0 = top-ranked). The masked pass uses these clean ranks; it never re-ranks.
-    """
-
-    metric: str
-    scope: str
-    ranks: dict[int, SourceRanks]
-    seed: int | None = None
-    unit_hashes: list[str] = field(default_factory=list)
-
-    @property
-    def layers(self) -> list[int]:
-        return list(self.ranks)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.ranks.values())
-
-    def mask(self, layer: int, rate: float, mode: str) -> Bool[Tensor, "batch rank_head query_pos key_pos"]:
-        """The boolean removal mask of ``layer`` (True = removed) at ``rate`` and ``mode``."""
-        if layer not in self.ranks:
-            raise IndexError(f"layer {layer} was not ranked; ranked layers are {self.layers}")
-        return removal_mask(self.ranks[layer], rate, mode)
-
-    def same_as(self, other: SourceRanking) -> bool:
-        """Whether two rankings would remove exactly the same sources at every rate and mode."""
-        return self.ranks.keys() == other.ranks.keys() and all(
-            torch.equal(self.ranks[la], other.ranks[la]) for la in self.ranks
-        )
-
-    def to_frame(self, *, batch: int = 0, layer: int | None = None) -> pd.DataFrame:
-        """Tidy table: ``layer, head, query, key, rank`` for ``key <= query`` (head -1 = whole layer).
-
-        ``batch`` and ``layer`` are checked: out of range raises ``IndexError`` naming the valid range."""
-        frames = []
-        sel = self.layers if layer is None else [layer]
-        for la in sel:
-            if la not in self.ranks:
-                raise IndexError(f"layer {la} was not ranked; ranked layers are {self.layers}")
-        for la in sel:
-            r = self.ranks[la][check_index(batch, self.ranks[la].shape[0], "batch")]  # [rank_head, q, k]
-            qq, kk = torch.tril_indices(r.shape[-2], r.shape[-1])
-            for h in range(r.shape[0]):
-                frames.append(
-                    pd.DataFrame(
-                        {
-                            "layer": la,
-                            "head": h if self.scope == "intra" else -1,
-                            "query": qq.numpy(),
-                            "key": kk.numpy(),
-                            "rank": r[h, qq, kk].long().cpu().numpy(),
-                        }
-                    )
-                )
-        return pd.concat(frames, ignore_index=True)
-
-
-# --------------------------------------------------------------------------- rankings from a clean pass
-
-
-def _unit_hash(tokens: Tensor, n_context: int = 0) -> str:
-    """Content hash of one sequence (its tokens and where scoring starts)."""
-    h = hashlib.sha1(np.asarray(tokens.detach().cpu(), dtype=np.int64).tobytes())
-    h.update(str(n_context).encode())
-    return "u" + h.hexdigest()[:16]  # the prefix keeps CSV readers from parsing it as a number
-
-
-def _random_scores(
-    n_heads: int, length: int, pad_to: int, *, seed: int, unit_hash: str, layer: int
-) -> Float[Tensor, "head query_pos key_pos"]:
-    """Uniform noise for the random control, seeded by ``(seed, unit content hash, layer)``."""
-    state = np.random.SeedSequence([int(seed), int(unit_hash[1:16], 16), int(layer)]).generate_state(2)
-    g = torch.Generator().manual_seed(int(state[0]) << 32 | int(state[1]))
-    out = torch.zeros(n_heads, pad_to, pad_to)
-    out[:, :length, :length] = torch.rand(n_heads, length, length, generator=g)
-    return out
-
-
-def _clean_pass(
-    model: Any,
-    tokens: Tokens,
-    targets: Bool[Tensor, "batch pos_minus_1"],
-    metrics: Sequence[str],
-    *,
-    scope: str,
-    layers: list[int],
-    seed: int,
-    lengths: list[int],
-    store_device: str | torch.device = "cpu",
-) -> tuple[dict[str, SourceRanking], Float[Tensor, " batch"], Int[Tensor, " batch"]]:
-    """One clean forward: every ranking of ``metrics`` at ``layers`` and the clean target log-likelihood."""
-    geo_metrics = [m for m in metrics if m != "random"]
-    # the random control is seeded by each text's content (its unpadded tokens), not by its batch slot
-    unit_hashes = [_unit_hash(tokens[b, : lengths[b]]) for b in range(tokens.shape[0])]
-    ranks: dict[str, dict[int, Tensor]] = {m: {} for m in metrics}
-
-    def on_layer(layer: int, out: dict[str, dict[str, Tensor]]) -> None:
-        for m, scores in out[scope].items():
-            # intra: [batch, head, q, k]; inter: [batch, q, k] -> one ranking for all heads
-            ranks[m][layer] = rank_sources(scores if scope == "intra" else scores[:, None]).to(store_device)
-
-    hooks: list[FwdHook] = []
-    if geo_metrics:
-        col = ContributionCollector(
-            model,
-            layers,
-            intra=geo_metrics if scope == "intra" else [],
-            inter=geo_metrics if scope == "inter" else [],
-            on_layer=on_layer,
-        )
-        hooks = col.fwd_hooks
-    logprob = _target_logprob(model, tokens, targets, hooks)
-    if "random" in metrics:
-        n_heads = int(model.cfg.n_heads) if scope == "intra" else 1
-        pos = tokens.shape[1]
-        for layer in layers:
-            scores = torch.stack(
-                [
-                    _random_scores(n_heads, lengths[b], pos, seed=seed, unit_hash=unit_hashes[b], layer=layer)
-                    for b in range(tokens.shape[0])
-                ]
-            )
-            ranks["random"][layer] = rank_sources(scores).to(store_device)
-    rankings = {
-        m: SourceRanking(
-            metric=m,
-            scope=scope,
-            ranks={la: ranks[m][la] for la in layers},
-            seed=seed if m == "random" else None,
-            unit_hashes=list(unit_hashes),
-        )
-        for m in metrics
-    }
-    return rankings, logprob, targets.sum(-1)
-
-
-def source_rankings(
-    model: Any,
-    tokens_or_text: str | Sequence[str] | Tensor,
-    metrics: Sequence[str] = FAITHFULNESS_METRICS,
-    *,
-    scope: str = "intra",
-    layers: int | Sequence[int] | None = None,
-    seed: int = 0,
-) -> dict[str, SourceRanking]:
-    """Rankings of every metric at ``layers`` (default: all) from one clean forward pass.
-
-    Intra-head metrics (``scope="intra"``, the default) give one ranking per head; inter-head metrics
-    (``scope="inter"``) one per layer, applied to every head. ``"random"`` draws uniform noise seeded by
-    ``(seed, text content, layer)``. Ties: lower position first; NaN ranks last (see the module docs).
-    """
-    scope = _check_scope(scope)
-    metrics = _check_metrics(metrics, scope)
-    tokens = to_tokens(model, tokens_or_text)
-    chosen = resolve_layers(model, layers)
-    targets = torch.ones(tokens.shape[0], max(tokens.shape[1] - 1, 0), dtype=torch.bool, device=tokens.device)
-    rankings, _, _ = _clean_pass(
-        model,
-        tokens,
-        targets,
-        metrics,
-        scope=scope,
-        layers=chosen,
-        seed=seed,
-        lengths=[tokens.shape[1]] * tokens.shape[0],
-        store_device=tokens.device,
-    )
-    return rankings
+_FRESH = "delete the file or choose another checkpoint="
 
 
 # --------------------------------------------------------------------------- scoring
-
-
-def _target_logprob(
-    model: Any, tokens: Tokens, targets: Bool[Tensor, "batch pos_minus_1"], fwd_hooks: Sequence[FwdHook]
-) -> Float[Tensor, " batch"]:
-    """``sum`` of ``log p(token[t+1] | tokens[:t+1])`` over the target predictions, hooks attached."""
-    with torch.no_grad(), model.hooks(fwd_hooks=list(fwd_hooks), reset_hooks_end=True):
-        loss = model(tokens, return_type="loss", loss_per_token=True)  # [batch, pos-1]
-    return -(loss.float() * targets.to(loss.device)).sum(-1).cpu()
 
 
 def _masked_scores(
@@ -385,6 +136,7 @@ class _SweepWork:
     layers: list[int]
     scope: str
     seed: int
+    extra_hooks: tuple[FwdHook, ...] = ()
     _cache: dict[Any, Any] = field(default_factory=dict, repr=False)
 
     def __getstate__(self) -> dict[str, Any]:
@@ -406,6 +158,7 @@ class _SweepWork:
                 seed=self.seed,
                 lengths=[self.units.lengths[u] for u in idx],
                 store_device=model.cfg.device,
+                extra_hooks=self.extra_hooks,
             )
             # metrics whose rankings coincide on this batch (e.g. value_weighted and its per-query
             # normalised version, which differ only by a positive factor per query) share their passes
@@ -431,9 +184,12 @@ class _SweepWork:
         else:
             shared = (b["alias"][m], mode, r)
             if shared not in b["results"]:
-                hooks = masking_hooks(
-                    model, ranking=b["rankings"][shared[0]], rate=r, mode=mode, layers=self.layers
-                )
+                hooks = [
+                    *self.extra_hooks,
+                    *masking_hooks(
+                        model, ranking=b["rankings"][shared[0]], rate=r, mode=mode, layers=self.layers
+                    ),
+                ]
                 b["results"][shared] = _masked_scores(model, b["tokens"], b["targets"], hooks)
             logprob = b["results"][shared]
         return pd.DataFrame(
@@ -463,6 +219,7 @@ def _sweep(
     settings: dict[str, Any],
     verbose: bool,
     by_length: bool,
+    extra_hooks: tuple[FwdHook, ...] = (),
 ) -> pd.DataFrame:
     """Per-unit target log-likelihoods for the clean pass and every (metric, mode, rate > 0).
 
@@ -476,7 +233,7 @@ def _sweep(
         key=_STORE_KEYS,
         settings=settings,
         what="faithfulness record",
-        fresh="delete the file or choose another out=",
+        fresh=_FRESH,
     )
     keys = [(m, mode, r) for m in metrics for mode in modes for r in rates if r > 0]
     items = []
@@ -489,7 +246,7 @@ def _sweep(
             items.append(Item(key=(*key, b), rows=row_keys, batch=tuple(idx), data=needed))
     run_sweep(
         items,
-        _SweepWork(units, layers, scope, seed),
+        _SweepWork(units, layers, scope, seed, tuple(extra_hooks)),
         rows,
         executor=LocalExecutor(model),
         desc="faithfulness: masked passes",
@@ -509,45 +266,17 @@ def _unit_matrix(
     return np.array([by_hash[h] for h in hashes], dtype=np.float64)
 
 
-def _layers_label(model: Any, layers: list[int]) -> str:
-    return "all" if layers == list(range(int(model.cfg.n_layers))) else ",".join(map(str, layers))
+def _side_path(checkpoint: Path, what: str) -> Path:
+    return checkpoint.with_name(f"{checkpoint.stem}.{what}{checkpoint.suffix}")
 
 
-def _model_label(model: Any) -> str:
-    return str(getattr(model.cfg, "model_name", "")) or type(model).__name__
-
-
-def _side_path(out: Path, what: str) -> Path:
-    return out.with_name(f"{out.stem}.{what}{out.suffix}")
-
-
-def _check_out(out: str | Path | None) -> Path | None:
-    if out is None:
+def _check_checkpoint(checkpoint: str | Path | None) -> Path | None:
+    if checkpoint is None:
         return None
-    path = Path(out)
+    path = Path(checkpoint)
     if path.suffix not in (".csv", ".parquet"):
-        raise ValueError(f"out must end in .csv or .parquet, got {path.name!r}")
+        raise ValueError(f"checkpoint must end in .csv or .parquet, got {path.name!r}")
     return path
-
-
-def _check_common(
-    model: Any,
-    metrics: Sequence[str],
-    rates: Sequence[float],
-    modes: Sequence[str],
-    layers: int | Sequence[int] | None,
-    scope: str,
-    batch_size: int,
-) -> tuple[tuple[str, ...], tuple[float, ...], tuple[str, ...], list[int], str]:
-    check_decoder(model)
-    scope = _check_scope(scope)
-    metrics_t = _check_metrics(metrics, scope)
-    rates_t = _check_rates(rates)
-    modes_t = _check_modes(modes)
-    chosen = resolve_layers(model, layers)
-    if int(batch_size) < 1:
-        raise ValueError(f"batch_size must be at least 1, got {batch_size}")
-    return metrics_t, rates_t, modes_t, chosen, scope
 
 
 # --------------------------------------------------------------------------- perplexity curves
@@ -555,7 +284,7 @@ def _check_common(
 
 def perplexity_curves(
     model: Any,
-    tokens: Tensor | str | Sequence[str],
+    tokens_or_text: Tensor | str | Sequence[str],
     metrics: Sequence[str] = FAITHFULNESS_METRICS,
     rates: Sequence[float] = DEFAULT_RATES,
     modes: Sequence[str] = MODES,
@@ -565,8 +294,9 @@ def perplexity_curves(
     batch_size: int = 8,
     seed: int = 0,
     n_boot: int = 1000,
-    out: str | Path | None = None,
-    verbose: bool = True,
+    checkpoint: str | Path | None = None,
+    extra_hooks: Sequence[FwdHook] = (),
+    verbose: bool = False,
 ) -> pd.DataFrame:
     """ΔPPL of next-token prediction when each metric's top (comprehensiveness) or bottom (sufficiency)
     ``ceil(rate * (i+1))`` sources per query are removed at ``layers`` (default: all at once).
@@ -579,20 +309,23 @@ def perplexity_curves(
     One clean pass per batch of ``batch_size`` texts gives the clean loss and every ranking; each
     (metric, mode, rate > 0) then costs one masked forward; rate 0 is the clean pass. Metrics whose
     rankings coincide on a batch share their masked passes. Rankings come from the clean pass; the
-    masked pass does not re-rank.
+    masked pass does not re-rank. ``extra_hooks`` are attached before ours in every pass (clean and
+    masked): "clean" then means the model with those hooks. ``verbose`` shows a progress bar.
 
     Returns a tidy DataFrame, one row per (metric, mode, rate): ``metric, mode, rate, ppl, delta_ppl,
     delta_nll, ci_low, ci_high, clean_ppl, n_texts, layers, scope, seed``.
 
-    With ``out`` (``.csv`` or ``.parquet``) the table is written there atomically, and per-text results
-    go to ``<stem>.per_text<suffix>`` after every masked pass; a rerun with the same settings (model,
-    layers, scope, seed) skips every (metric, mode, rate, text) already recorded, so an interrupted sweep
-    resumes without duplicate or lost rows (texts are matched by content, so a larger corpus that
-    starts with the same windows extends an earlier run). Different settings raise ``ValueError``.
+    With ``checkpoint`` (``.csv`` or ``.parquet``) the table is written there atomically, and per-text
+    results go to ``<stem>.per_text<suffix>`` after every masked pass; a rerun with the same settings
+    (model, layers, scope, seed, ``extra_hooks`` by a stable repr) skips every (metric, mode, rate, text)
+    already recorded, so an interrupted sweep resumes without duplicate or lost rows (texts are matched by
+    content, so a larger corpus that starts with the same windows extends an earlier run). Different
+    settings raise ``ValueError``.
     """
     metrics_t, rates_t, modes_t, chosen, scope = _check_common(
         model, metrics, rates, modes, layers, scope, batch_size
     )
+    tokens = tokens_or_text
     if isinstance(tokens, Tensor) and (tokens.ndim != 2 or tokens.shape[0] == 0):
         raise ValueError(
             f"empty corpus: need [n_texts >= 1, pos >= 2] tokens, got shape {tuple(tokens.shape)}"
@@ -602,7 +335,7 @@ def perplexity_curves(
     toks = to_tokens(model, tokens, min_pos=2, what="perplexity (a token to predict)").cpu()
     if toks.shape[1] < 2:
         raise ValueError(f"texts need at least 2 tokens to predict one, got {toks.shape[1]}")
-    path = _check_out(out)
+    path = _check_checkpoint(checkpoint)
     n, pos = toks.shape
     units = _Units(
         tokens=toks,
@@ -610,7 +343,7 @@ def perplexity_curves(
         targets=torch.ones(n, pos - 1, dtype=torch.bool),
         hashes=[_unit_hash(t) for t in toks],
     )
-    settings = _settings(model, chosen, scope, seed)
+    settings = _settings(model, chosen, scope, seed, extra_hooks)
     record = _sweep(
         model,
         units,
@@ -625,22 +358,13 @@ def perplexity_curves(
         settings=settings,
         verbose=verbose,
         by_length=False,
+        extra_hooks=tuple(extra_hooks),
     )
     frame = _ppl_summary(record, units.hashes, metrics_t, modes_t, rates_t, n_boot=n_boot, seed=seed)
     frame = frame.assign(n_texts=n, layers=settings["layers"], scope=scope, seed=seed)
     if path is not None:
         write_frame(frame, path)
     return frame
-
-
-def _settings(model: Any, layers: list[int], scope: str, seed: int) -> dict[str, Any]:
-    """What a resumed sweep must match: model, layers, ranking scope and seed."""
-    return {
-        "model": _model_label(model),
-        "layers": _layers_label(model, layers),
-        "scope": scope,
-        "seed": seed,
-    }
 
 
 def _delta_ppl(x: np.ndarray) -> float:
@@ -688,39 +412,19 @@ def _ppl_summary(
 # --------------------------------------------------------------------------- downstream accuracy
 
 
-def _encode(model: Any, text: str, *, prepend_bos: bool) -> list[int]:
-    """Token ids of ``text`` with the model's tokenizer (one place, so tests can swap it)."""
-    return [int(t) for t in model.to_tokens(text, prepend_bos=prepend_bos, truncate=False)[0].tolist()]
-
-
 def _task_units(model: Any, items: Sequence[Any], max_len: int) -> tuple[_Units, list[tuple[int, int]]]:
-    """One unit per (item, choice): ``prompt`` tokens (model's BOS default) then ``choice`` tokens.
-
-    The prompt and the choice are tokenised separately; a sequence longer than ``max_len`` loses tokens
-    from the left of the prompt. Targets are the predictions of the choice tokens.
+    """One unit per (item, choice): the prompt then the choice, as :func:`~mechgeom.analyses.evaluation.encode_choices`
+    tokenises them (the prompt with the model's BOS default, each choice without; a long prompt loses tokens
+    from the left so that every ``prompt + choice`` fits in ``max_len``). Targets are the predictions of the
+    choice tokens.
     """
     seqs: list[list[int]] = []
     n_ctx: list[int] = []
     owner: list[tuple[int, int]] = []
-    for i, item in enumerate(items):
-        if not item.choices or not 0 <= int(item.answer) < len(item.choices):
-            raise ValueError(f"item {i} has answer {item.answer} but {len(item.choices)} choices")
-        prompt = _encode(
-            model, item.prompt, prepend_bos=bool(getattr(model.cfg, "default_prepend_bos", False))
-        )
-        for c, choice in enumerate(item.choices):
-            cont = _encode(model, choice, prepend_bos=False)
-            if not cont:
-                raise ValueError(f"item {i} choice {c} ({choice!r}) has no tokens")
-            if len(cont) >= max_len:
-                raise ValueError(
-                    f"item {i} choice {c} is {len(cont)} tokens, not shorter than max_len={max_len}"
-                )
-            ctx = prompt[-(max_len - len(cont)) :] if len(prompt) + len(cont) > max_len else prompt
-            if not ctx:
-                raise ValueError(f"item {i} has an empty prompt; the first choice token needs a context")
-            seqs.append(ctx + cont)
-            n_ctx.append(len(ctx))
+    for i, enc in enumerate(encode_choices(model, items, max_len)):
+        for c, cont in enumerate(enc.choices):
+            seqs.append(enc.prompt + cont)
+            n_ctx.append(len(enc.prompt))
             owner.append((i, c))
     pos = max(len(s) for s in seqs)
     tokens = torch.zeros(len(seqs), pos, dtype=torch.long)
@@ -745,8 +449,9 @@ def task_accuracy_curves(
     seed: int = 0,
     max_len: int | None = None,
     n_boot: int = 1000,
-    out: str | Path | None = None,
-    verbose: bool = True,
+    checkpoint: str | Path | None = None,
+    extra_hooks: Sequence[FwdHook] = (),
+    verbose: bool = False,
 ) -> pd.DataFrame:
     """Accuracy on multiple-choice items (:func:`mechgeom.data.load_task`) under the same masking.
 
@@ -761,8 +466,8 @@ def task_accuracy_curves(
     Sequences are right-padded in batches of similar length (padding never reaches a scored position);
     ``max_len`` (default ``n_ctx``) trims long prompts from the left. Rows: one per (task, metric, mode,
     rate), plus ``task="all"`` when the items mix tasks: ``task, metric, mode, rate, accuracy,
-    delta_accuracy, ci_low, ci_high, clean_accuracy, n_items, layers, scope, seed``. ``out`` and resume
-    work as in :func:`perplexity_curves` (per-choice record ``<stem>.per_choice<suffix>``).
+    delta_accuracy, ci_low, ci_high, clean_accuracy, n_items, layers, scope, seed``. ``checkpoint``, resume
+    and ``extra_hooks`` work as in :func:`perplexity_curves` (per-choice record ``<stem>.per_choice<suffix>``).
     """
     metrics_t, rates_t, modes_t, chosen, scope = _check_common(
         model, metrics, rates, modes, layers, scope, batch_size
@@ -770,12 +475,12 @@ def task_accuracy_curves(
     items = list(items)
     if not items:
         raise ValueError("no items: give at least one task item (see mechgeom.data.load_task)")
-    path = _check_out(out)
+    path = _check_checkpoint(checkpoint)
     limit = int(model.cfg.n_ctx) if max_len is None else int(max_len)
     if not 2 <= limit <= int(model.cfg.n_ctx):
         raise ValueError(f"max_len must be in [2, n_ctx={model.cfg.n_ctx}], got {max_len}")
     units, owner = _task_units(model, items, limit)
-    settings = _settings(model, chosen, scope, seed)
+    settings = _settings(model, chosen, scope, seed, extra_hooks)
     record = _sweep(
         model,
         units,
@@ -790,6 +495,7 @@ def task_accuracy_curves(
         settings=settings,
         verbose=verbose,
         by_length=True,
+        extra_hooks=tuple(extra_hooks),
     )
     frame = _accuracy_summary(
         record, units.hashes, owner, items, metrics_t, modes_t, rates_t, n_boot=n_boot, seed=seed
@@ -801,13 +507,12 @@ def task_accuracy_curves(
 
 
 def _correct(scores: np.ndarray, owner: list[tuple[int, int]], items: Sequence[Any]) -> np.ndarray:
-    """1.0 where the highest-scoring choice (first on ties) is the answer, per item."""
+    """1.0 where the highest-scoring choice (first on ties) is the answer, per item
+    (:func:`~mechgeom.analyses.evaluation.predicted_correct`)."""
     per_item: list[list[float]] = [[-math.inf] * len(it.choices) for it in items]
     for u, (i, c) in enumerate(owner):
         per_item[i][c] = float(scores[u])
-    return np.array(
-        [float(int(np.argmax(s)) == int(it.answer)) for s, it in zip(per_item, items, strict=True)]
-    )
+    return predicted_correct(per_item, [int(it.answer) for it in items])
 
 
 def _accuracy_summary(

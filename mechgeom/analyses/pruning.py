@@ -1,4 +1,4 @@
-"""Head pruning (SPEC.md "Head pruning", paper B): removal hooks, head orders, retention curves, critical heads.
+"""Head pruning (SPEC.md "Head pruning", paper B): the single-head sweep, retention curves, critical heads.
 
 **Removing a head.** Head ``(l, h)`` is removed by a hook on ``blocks.{l}.attn.hook_z`` that replaces
 ``z[:, :, h]`` by zeros (``mode="zero"``, the SPEC default) or by a reference mean (``mode="mean"``). Because
@@ -6,32 +6,9 @@
 and keeps ``b_O``. :func:`head_ablation_hooks` returns ordinary ``(hook_name, fn)`` pairs, one per layer
 touched, so they compose with other hooks and with ``transformer_lens.patching``.
 
-**Reference statistics** (:func:`head_stats`, one forward pass per batch of reference windows, no
-unembedding). For every layer and head, averaged over *every window of the reference tokens and every
-position* ``i >= start_pos`` (default ``start_pos=0``: all positions, the sink position 0 included):
-
-- ``z_mean[l,h] = mean_{b, i} z[b,i,h]`` (``d_head``) — the value substituted by mean ablation at
-  every position;
-- ``out_norm[l,h] = mean_{b, i} ‖z[b,i,h] @ W_O[h]‖`` — the head-output norm of the taxonomy order;
-- ``entropy[l,h] = mean_{b, i} H(alpha[b,h,i,:])`` with ``H(p) = -sum_j p_j log p_j`` (nats, ``0 log 0 = 0``).
-  Query 0 attends only to itself, so its entropy is 0 for every head; including it rescales every head's
-  mean by the same factor and leaves the entropy order unchanged.
-
-**Orders** (lists of ``(layer, head)``, the first removed first; ties broken by ascending ``(layer, head)``):
-
-- ``taxonomy``: Reset first, then Mixer, then Retriever; inside a regime ascending ``out_norm``;
-- ``magnitude``: ascending ``‖W_V[h] W_O[h]‖_F`` (GQA: ``W_V`` of the head's KV group);
-- ``entropy``: descending mean attention entropy (the least selective, most diffuse heads first);
-  ``highest_first=False`` reverses it;
-- ``random``: a seeded permutation;
-- ``single_head``: ascending single-head ablation ``ΔPPL`` (the reference: least harmful first).
-
-**Retention.** At retention ``r`` the model keeps ``n_kept = round_half_up(r * N)`` of its ``N`` heads and
-removes the first ``N - n_kept`` heads of the order (:func:`retention_levels`).
-
-**Critical heads.** The single-head leaderboard flags a head as critical when
-``ΔPPL > median + k * MAD`` over all heads, ``MAD = 1.4826 * median |ΔPPL - median|`` (the scaled MAD, a
-consistent estimate of the standard deviation for normal data), ``k = 5`` (:func:`mad_outliers`).
+The reference statistics live in :mod:`mechgeom.analyses.head_stats`; the orders, the retention levels
+and the critical-head flag (``ΔPPL > median + k * MAD``) in :mod:`mechgeom.analyses.head_orders`; the loss
+and the multiple-choice scoring in :mod:`mechgeom.analyses.evaluation`. Their public names are re-exported.
 
 **Speed.** Removing a head of layer ``l`` changes nothing before layer ``l``. :func:`single_head_sweep`
 therefore runs the clean model block by block, keeps only the residual stream at the current layer's input
@@ -45,334 +22,65 @@ import hashlib
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from functools import partial
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
-import einops
 import numpy as np
 import pandas as pd
 import torch
-from transformer_lens.hook_points import HookPoint
 
 from mechgeom._progress import progress
-from mechgeom.analyses.evaluation import text_nll
+from mechgeom.analyses.evaluation import encode_choices, score_choices, task_accuracy, text_nll, token_nll  # noqa: F401
+
+# the statistics and the orders moved to their own modules; their public names are re-exported here
+from mechgeom.analyses.head_orders import *  # noqa: F403
+from mechgeom.analyses.head_orders import (
+    RETENTION_LEVELS,
+    _all_heads,
+    compare_orders,
+    mad_outliers,
+    retention_levels,
+    taxonomy_wins,
+)
+from mechgeom.analyses.head_orders import __all__ as _orders_all
+from mechgeom.analyses.head_stats import *  # noqa: F403
+from mechgeom.analyses.head_stats import HeadStats
+from mechgeom.analyses.head_stats import __all__ as _stats_all
 from mechgeom.data import TaskItem
 from mechgeom.hooks import (
     FwdHook,
     Head,
     HeadAblationMode,
     head_ablation_hooks,
-    head_outputs,
-    hook_name,
-    layer_W_O,
     resolve_head_set,
     run_hooks,
     to_tokens,
 )
 from mechgeom.models import is_bridge
 from mechgeom.sweep import Item, LocalExecutor, RowStore, model_label, run_sweep, tokens_hash
-from mechgeom.typing import WO, Float, Pattern, Tensor, Tokens, Z
+from mechgeom.typing import Float, Tensor, Tokens
 
-__all__ = [
-    "ORDERS",
-    "REGIMES",
-    "RETENTION_LEVELS",
-    "Head",
-    "HeadStats",
-    "RetentionCurves",
-    "SingleHeadResult",
-    "entropy_order",
-    "head_ablation_hooks",
-    "head_orders",
-    "head_output_norm",
-    "head_stats",
-    "mad_outliers",
-    "magnitude_order",
-    "pattern_entropy",
-    "random_order",
-    "resolve_head_set",
-    "retention_curve",
-    "retention_curves",
-    "retention_levels",
-    "score_choices",
-    "single_head_order",
-    "single_head_sweep",
-    "task_accuracy",
-    "taxonomy_order",
-    "weight_magnitude",
-]
+__all__ = sorted(
+    {
+        *_orders_all,
+        *_stats_all,
+        "AblationMode",
+        "Head",
+        "RetentionCurves",
+        "SingleHeadResult",
+        "head_ablation_hooks",
+        "resolve_head_set",
+        "retention_curve",
+        "retention_curves",
+        "score_choices",
+        "single_head_sweep",
+        "sweep_exactness",
+        "task_accuracy",
+    }
+)
 
 #: Head removal modes (defined with the intervention in :mod:`mechgeom.hooks.interventions`).
 AblationMode = HeadAblationMode
-#: The taxonomy order's regimes, the first removed first.
-REGIMES = ("Reset", "Mixer", "Retriever")
-#: The orders :func:`head_orders` builds.
-ORDERS = ("taxonomy", "magnitude", "entropy", "random", "single_head")
-#: 100%, 90%, ..., 10% of the heads kept.
-RETENTION_LEVELS = tuple(k / 10 for k in range(10, 0, -1))
-#: Scale that makes the MAD a consistent estimate of the standard deviation for normal data.
-MAD_SCALE = 1.4826
-
-
-# --------------------------------------------------------------------------- head sets and removal hooks
-
-
-def _all_heads(model: Any) -> list[Head]:
-    return [
-        (layer, head) for layer in range(int(model.cfg.n_layers)) for head in range(int(model.cfg.n_heads))
-    ]
-
-
-# --------------------------------------------------------------------------- per-head formulas
-
-
-def head_output_norm(z: Z, W_O: WO) -> Float[Tensor, "batch pos head_index"]:
-    """Head-output norm ``‖o[i,h]‖ = ‖z[i,h] @ W_O[h]‖`` (bias excluded)."""
-    return head_outputs(z, W_O).norm(dim=-1)
-
-
-def pattern_entropy(pattern: Pattern) -> Float[Tensor, "batch head_index query_pos"]:
-    """Attention entropy of each pattern row, ``H(alpha[h,i,:]) = -sum_j alpha[h,i,j] log alpha[h,i,j]`` (nats, ``0 log 0 = 0``)."""
-    p = pattern.double()
-    plogp = torch.where(p > 0, p * torch.log(torch.where(p > 0, p, 1.0)), torch.zeros_like(p))
-    return -plogp.sum(dim=-1)
-
-
-def weight_magnitude(model: Any) -> Float[Tensor, "layer head_index"]:
-    """``‖W_V[h] W_O[h]‖_F`` per layer and head.
-
-    GQA: ``W_V`` is stored per KV head (``blocks[l].attn._W_V``, ``[n_kv, d_model, d_head]``); query head
-    ``h`` uses KV head ``h // (n_heads // n_kv)`` (``repeat_interleave``, as TransformerLens). Computed
-    without the ``d_model x d_model`` product: ``‖W_V W_O‖_F² = sum((W_Vᵀ W_V) ⊙ (W_O W_Oᵀ))``.
-    """
-    n_heads = int(model.cfg.n_heads)
-    rows = []
-    for layer in range(int(model.cfg.n_layers)):
-        attn = model.blocks[layer].attn
-        W_V = getattr(attn, "_W_V", None)
-        if not isinstance(W_V, Tensor):
-            W_V = attn.W_V
-        W_V = W_V.detach().double()  # [kv_head d_model d_head]
-        if W_V.shape[0] != n_heads:
-            W_V = W_V.repeat_interleave(n_heads // W_V.shape[0], dim=0)
-        W_O = layer_W_O(model, layer).detach().double()  # [head d_head d_model]
-        gram_v = einops.einsum(W_V, W_V, "head d_model a, head d_model b -> head a b")
-        gram_o = einops.einsum(W_O, W_O, "head a d_model, head b d_model -> head a b")
-        rows.append((gram_v * gram_o).sum(dim=(1, 2)).clamp_min(0).sqrt())
-    return torch.stack(rows).float()
-
-
-# --------------------------------------------------------------------------- reference statistics
-
-
-@dataclass
-class HeadStats:
-    """Per-head reference statistics (see the module docstring for exactly which positions are averaged)."""
-
-    z_mean: Float[Tensor, "layer head_index d_head"]
-    out_norm: Float[Tensor, "layer head_index"]
-    entropy: Float[Tensor, "layer head_index"]
-    n_positions: int
-    start_pos: int = 0
-
-    def to_frame(self) -> pd.DataFrame:
-        """One row per head: ``layer, head, out_norm, entropy``."""
-        n_layers, n_heads = self.out_norm.shape
-        return pd.DataFrame(
-            {
-                "layer": np.repeat(np.arange(n_layers), n_heads),
-                "head": np.tile(np.arange(n_heads), n_layers),
-                "out_norm": self.out_norm.flatten().cpu().numpy(),
-                "entropy": self.entropy.flatten().cpu().numpy(),
-            }
-        )
-
-
-class _StatsAccumulator:
-    def __init__(self, model: Any, start_pos: int) -> None:
-        n_layers, n_heads, d_head = int(model.cfg.n_layers), int(model.cfg.n_heads), int(model.cfg.d_head)
-        self.model = model
-        self.start_pos = start_pos
-        self.z_sum = torch.zeros(n_layers, n_heads, d_head, dtype=torch.float64)
-        self.norm_sum = torch.zeros(n_layers, n_heads, dtype=torch.float64)
-        self.entropy_sum = torch.zeros(n_layers, n_heads, dtype=torch.float64)
-        self.n_z = 0
-        self.n_q = 0
-
-    def on_z(self, z: Z, hook: HookPoint, *, layer: int) -> None:
-        # z: [batch pos head_index d_head]
-        zs = z.detach()[:, self.start_pos :]
-        self.z_sum[layer] += zs.double().sum(dim=(0, 1)).cpu()
-        W_O = layer_W_O(self.model, layer).detach()
-        self.norm_sum[layer] += head_output_norm(zs, W_O).double().sum(dim=(0, 1)).cpu()
-        if layer == 0:
-            self.n_z += zs.shape[0] * zs.shape[1]
-
-    def on_pattern(self, pattern: Pattern, hook: HookPoint, *, layer: int) -> None:
-        # pattern: [batch head_index query_pos key_pos]
-        ent = pattern_entropy(pattern.detach()[:, :, self.start_pos :])  # [batch head q]
-        self.entropy_sum[layer] += ent.sum(dim=(0, 2)).cpu()
-        if layer == 0:
-            self.n_q += ent.shape[0] * ent.shape[2]
-
-    def fwd_hooks(self) -> list[FwdHook]:
-        hooks: list[FwdHook] = []
-        for layer in range(int(self.model.cfg.n_layers)):
-            hooks.append((hook_name(layer, "pattern"), partial(self.on_pattern, layer=layer)))
-            hooks.append((hook_name(layer, "z"), partial(self.on_z, layer=layer)))
-        return hooks
-
-
-def head_stats(
-    model: Any, tokens: Tokens, *, start_pos: int = 0, batch_size: int = 8, verbose: bool = False
-) -> HeadStats:
-    """Reference statistics of every head over ``tokens`` ``[n_texts, pos]``, one pass per batch.
-
-    Averages over every window and every position ``i >= start_pos``: ``z_mean`` (mean ``z[b,i,h]``),
-    ``out_norm`` (mean ``‖z[b,i,h] @ W_O[h]‖``, :func:`head_output_norm`) and ``entropy`` (mean
-    :func:`pattern_entropy` over query rows ``i >= start_pos``). The forward stops before the unembedding.
-    """
-    if start_pos < 0:
-        raise ValueError(f"start_pos must be >= 0, got {start_pos}")
-    tokens = to_tokens(
-        model, tokens, min_pos=start_pos + 1, what=f"head statistics from start_pos={start_pos}"
-    )
-    if not 0 <= start_pos < tokens.shape[1]:
-        raise ValueError(f"start_pos={start_pos} leaves no position of {tokens.shape[1]}")
-    acc = _StatsAccumulator(model, start_pos)
-    starts = range(0, tokens.shape[0], batch_size)
-    for start in progress(starts, desc="head stats", enabled=verbose, total=len(starts)):
-        batch = tokens[start : start + batch_size].to(model.cfg.device)
-        run_hooks(model, batch, acc.fwd_hooks(), return_type=None)
-    return HeadStats(
-        z_mean=(acc.z_sum / acc.n_z).float(),
-        out_norm=(acc.norm_sum / acc.n_z).float(),
-        entropy=(acc.entropy_sum / acc.n_q).float(),
-        n_positions=acc.n_z,
-        start_pos=start_pos,
-    )
-
-
-# --------------------------------------------------------------------------- orders
-
-
-def _order_by(scores: Tensor | np.ndarray, *, descending: bool = False) -> list[Head]:
-    """All heads sorted by ``scores[l, h]`` (ascending unless ``descending``), ties by ``(layer, head)``."""
-    s = np.asarray(scores.detach().cpu() if isinstance(scores, Tensor) else scores, dtype=np.float64)
-    if s.ndim != 2:
-        raise ValueError(f"scores must be [layer, head], got shape {s.shape}")
-    if np.isnan(s).any():
-        raise ValueError("scores contain NaN; cannot order heads")
-    keyed = sorted(np.ndindex(*s.shape), key=lambda lh: (-s[lh] if descending else s[lh], lh[0], lh[1]))
-    return [(int(layer), int(head)) for layer, head in keyed]
-
-
-def taxonomy_order(table: pd.DataFrame, head_norms: Tensor | np.ndarray | None = None) -> list[Head]:
-    """Reset first, then Mixer, then Retriever; inside a regime by ascending mean head-output norm.
-
-    ``table`` has one row per head with at least ``layer, head, label`` (e.g.
-    ``taxonomy.classify_heads(...).to_frame()``). The norm comes from ``head_norms[layer, head]`` (e.g.
-    ``head_stats(...).out_norm``) or, when that is None, from a column ``out_norm`` of the table. Ties are
-    broken by ``(layer, head)``. Raises ``ValueError`` for missing columns, unknown labels or duplicate heads.
-    """
-    missing = {"layer", "head", "label"} - set(table.columns)
-    if missing:
-        raise ValueError(f"taxonomy table lacks column(s) {sorted(missing)}")
-    df = table[["layer", "head", "label"]].copy()
-    df["layer"] = df["layer"].astype(int)
-    df["head"] = df["head"].astype(int)
-    if head_norms is not None:
-        norms = np.asarray(head_norms.detach().cpu() if isinstance(head_norms, Tensor) else head_norms)
-        df["norm"] = norms[df["layer"].to_numpy(), df["head"].to_numpy()]
-    elif "out_norm" in table.columns:
-        df["norm"] = table["out_norm"].to_numpy(dtype=float)
-    else:
-        raise ValueError("give head_norms (e.g. head_stats(...).out_norm) or an 'out_norm' column")
-    unknown = sorted(set(df["label"]) - set(REGIMES))
-    if unknown:
-        raise ValueError(f"unknown taxonomy label(s) {unknown}; expected {list(REGIMES)}")
-    if df.duplicated(["layer", "head"]).any():
-        raise ValueError("the taxonomy table lists a head twice")
-    if df["norm"].isna().any():
-        raise ValueError("head-output norms contain NaN")
-    df["regime"] = df["label"].map({label: k for k, label in enumerate(REGIMES)})
-    df = df.sort_values(["regime", "norm", "layer", "head"], kind="mergesort")
-    return [(int(layer), int(head)) for layer, head in zip(df["layer"], df["head"], strict=True)]
-
-
-def magnitude_order(model: Any) -> list[Head]:
-    """Ascending ``‖W_V[h] W_O[h]‖_F`` (:func:`weight_magnitude`): the smallest is removed first."""
-    return _order_by(weight_magnitude(model))
-
-
-def entropy_order(entropy: HeadStats | Tensor, *, highest_first: bool = True) -> list[Head]:
-    """By mean attention entropy (:func:`head_stats`); by default the highest (least selective) first."""
-    ent = entropy.entropy if isinstance(entropy, HeadStats) else entropy
-    return _order_by(ent, descending=highest_first)
-
-
-def random_order(model: Any, seed: int = 0) -> list[Head]:
-    """A uniformly random permutation of all heads, reproducible from ``seed`` (numpy ``default_rng``)."""
-    heads = _all_heads(model)
-    perm = np.random.default_rng(seed).permutation(len(heads))
-    return [heads[k] for k in perm]
-
-
-def single_head_order(sweep: SingleHeadResult) -> list[Head]:
-    """Ascending single-head ablation ``ΔPPL``: the head whose removal alone hurts least goes first."""
-    if torch.isnan(sweep.nll).any():
-        raise ValueError("the sweep did not cover every head; run single_head_sweep with heads=None")
-    return _order_by(sweep.delta_ppl)
-
-
-def head_orders(
-    model: Any,
-    stats: HeadStats,
-    *,
-    taxonomy: pd.DataFrame | None = None,
-    sweep: SingleHeadResult | None = None,
-    seed: int = 0,
-    entropy_highest_first: bool = True,
-) -> dict[str, list[Head]]:
-    """Every order that the inputs allow: magnitude, entropy, random always; taxonomy and single_head if given."""
-    orders: dict[str, list[Head]] = {}
-    if taxonomy is not None:
-        orders["taxonomy"] = taxonomy_order(taxonomy, stats.out_norm)
-    orders["magnitude"] = magnitude_order(model)
-    orders["entropy"] = entropy_order(stats, highest_first=entropy_highest_first)
-    orders["random"] = random_order(model, seed)
-    if sweep is not None:
-        orders["single_head"] = single_head_order(sweep)
-    return orders
-
-
-# --------------------------------------------------------------------------- critical heads
-
-
-def mad_outliers(values: Tensor | np.ndarray, *, k: float = 5.0, scale: float = MAD_SCALE) -> dict[str, Any]:
-    """Robust outlier flag: ``x > median + k * MAD`` with ``MAD = scale * median |x - median|``.
-
-    ``scale = 1.4826`` makes the MAD a consistent estimate of the standard deviation for normal data.
-    Returns ``flags`` (bool array), ``threshold``, ``median``, ``mad`` (scaled) and ``robust_z``
-    (``(x - median) / MAD``; ``inf``/NaN where ``MAD = 0``). With ``MAD = 0`` every value above the
-    median is flagged. NaNs are ignored for the median and never flagged.
-    """
-    x = np.asarray(values.detach().cpu() if isinstance(values, Tensor) else values, dtype=np.float64)
-    if np.isnan(x).all():
-        raise ValueError("no finite values to flag")
-    med = float(np.nanmedian(x))
-    mad = scale * float(np.nanmedian(np.abs(x - med)))
-    threshold = med + k * mad
-    with np.errstate(divide="ignore", invalid="ignore"):
-        robust_z = (x - med) / mad
-    return {
-        "flags": np.nan_to_num(x, nan=-np.inf) > threshold,
-        "threshold": threshold,
-        "median": med,
-        "mad": mad,
-        "robust_z": robust_z,
-    }
 
 
 # --------------------------------------------------------------------------- single-head sweep
@@ -446,11 +154,10 @@ def _nll_from_layer(
 ) -> Float[Tensor, " batch"]:
     """Mean next-token NLL per text, running the model from ``resid`` = ``blocks.{layer}.hook_resid_pre``.
 
-    Same loss as :func:`mechgeom.analyses.evaluation.text_nll` (TransformerLens' per-token loss, mean over positions).
+    The loss of :func:`mechgeom.analyses.evaluation.token_nll` (as :func:`~mechgeom.analyses.evaluation.text_nll`),
+    mean over positions.
     """
-    with torch.no_grad(), model.hooks(fwd_hooks=list(fwd_hooks), reset_hooks_end=True):
-        loss = model(resid, start_at_layer=layer, tokens=tokens, return_type="loss", loss_per_token=True)
-    return loss.float().mean(dim=-1).cpu()
+    return token_nll(model, resid, fwd_hooks, start_at_layer=layer, tokens=tokens).mean(dim=-1)
 
 
 @dataclass
@@ -512,6 +219,43 @@ class SingleHeadResult:
         df = self.to_frame(k=k)
         return df[df["critical"]].reset_index(drop=True)
 
+    def summary(self, *, k: float = 5.0) -> dict[str, Any]:
+        """Headline numbers of the leaderboard: ``clean_ppl``, ``mode``, ``k``, ``n_heads`` (swept),
+        ``median_delta_ppl``, ``mad_scaled``, ``threshold`` (``median + k * MAD``), the most harmful head
+        ``worst_head`` ``[l, h]`` with ``worst_delta_ppl`` (and as ``top``: ``layer, head, delta_ppl,
+        ratio_to_median, robust_z``), ``top5`` and the ``critical``
+        heads ``[[layer, head], ...]`` (most harmful first) with ``n_critical``."""
+        board = self.to_frame(k=k)
+        if board.empty:
+            raise ValueError("the sweep holds no head; run single_head_sweep first")
+        out = mad_outliers(board["delta_ppl"].to_numpy(), k=k)
+
+        def head(r: dict[Any, Any]) -> dict[str, Any]:
+            return {"layer": int(r["layer"]), "head": int(r["head"]), "delta_ppl": float(r["delta_ppl"])}
+
+        rows: list[dict[Any, Any]] = board.head(5).to_dict("records")
+        top = rows[0]
+        crit = board[board["critical"]]
+        return {
+            "clean_ppl": self.clean_ppl,
+            "mode": self.mode,
+            "k": float(k),
+            "n_heads": len(board),
+            "median_delta_ppl": float(out["median"]),
+            "mad_scaled": float(out["mad"]),
+            "threshold": float(out["threshold"]),
+            "worst_head": [int(top["layer"]), int(top["head"])],
+            "worst_delta_ppl": float(top["delta_ppl"]),
+            "top": {
+                **head(top),
+                "ratio_to_median": float(top["ratio_to_median"]),
+                "robust_z": float(top["robust_z"]),
+            },
+            "top5": [{**head(r), "robust_z": float(r["robust_z"])} for r in rows],
+            "critical": [[int(a), int(b)] for a, b in zip(crit["layer"], crit["head"], strict=True)],
+            "n_critical": len(crit),
+        }
+
 
 def single_head_sweep(
     model: Any,
@@ -570,114 +314,37 @@ def single_head_sweep(
     return SingleHeadResult(clean_nll=clean, nll=nll, mode=mode)
 
 
-# --------------------------------------------------------------------------- downstream scoring
-
-
-def _encode_items(
-    model: Any, items: Sequence[TaskItem], max_tokens: int | None
-) -> list[tuple[list[int], list[list[int]]]]:
-    """Token ids of each item's prompt (model's BOS default) and of each choice (no BOS)."""
-    out = []
-    for item in items:
-        prompt = model.to_tokens(item.prompt, truncate=False)[0].tolist()
-        choices = [model.to_tokens(c, prepend_bos=False, truncate=False)[0].tolist() for c in item.choices]
-        limit = max_tokens if max_tokens is not None else int(model.cfg.n_ctx)
-        keep = limit - max(len(c) for c in choices)
-        if keep < 1:
-            raise ValueError(f"a choice of {item.task!r} is longer than max_tokens={limit}")
-        out.append((prompt[-keep:], choices))  # left-truncate long prompts
-    return out
-
-
-def score_choices(
+def sweep_exactness(
     model: Any,
-    items: Sequence[TaskItem] | Sequence[tuple[list[int], list[list[int]]]],
-    fwd_hooks: Sequence[FwdHook] = (),
+    tokens: Tokens,
+    sweep: SingleHeadResult,
+    heads: int | Sequence[Head] = 3,
     *,
+    means: HeadStats | Tensor | None = None,
     batch_size: int = 8,
-    max_tokens: int | None = None,
-) -> Float[Tensor, "item choice"]:
-    """Summed log-likelihood of each choice's tokens given the prompt, ``log p(choice | prompt)``.
+) -> dict[str, Any]:
+    """Check a sweep against full forwards: ``max_abs_nll_gap = max |NLL(sweep) − NLL(text_nll)|`` over
+    ``heads`` and texts (the sweep's mode; ``means`` as in the sweep).
 
-    ``items`` are :class:`~mechgeom.data.TaskItem` (tokenised here: the prompt with the model's BOS default,
-    each choice without BOS; prompts longer than ``max_tokens`` are cut from the left) or already tokenised
-    ``(prompt_ids, [choice_ids, ...])``. Where every choice of an item is one token, one forward of the prompt
-    scores all of them (from the last position); otherwise each ``prompt + choice`` is one sequence. Sequences
-    are sorted by length and right-padded; with causal attention the padding never reaches a scored position.
-    Every item must have the same number of choices.
+    ``heads`` is a list of ``(layer, head)`` or a number ``n`` of the heads ``(0, 0)``,
+    ``(n_layers // 2, 1)``, ``(n_layers - 1, n_heads - 1)``. Returns ``{"heads": [[l, h], ...],
+    "max_abs_nll_gap": float | None}`` (``None`` for no head); 0 where ``start_at_layer`` is exact.
     """
-    if not items:
-        raise ValueError("no items to score")
-    encoded = cast(list[tuple[list[int], list[list[int]]]], list(items))
-    enc = _encode_items(model, items, max_tokens) if isinstance(items[0], TaskItem) else encoded  # type: ignore[arg-type]
-    n_choices = {len(c) for _, c in enc}
-    if len(n_choices) != 1:
-        raise ValueError(f"items have different numbers of choices: {sorted(n_choices)}")
-    if any(not p or not ch for p, chs in enc for ch in chs):
-        raise ValueError("every prompt and every choice needs at least one token")
-    # a job: (sequence ids, [(item, choice, scored positions, target ids)])
-    jobs: list[tuple[list[int], list[tuple[int, int, list[int], list[int]]]]] = []
-    for i, (p, chs) in enumerate(enc):
-        if all(len(ch) == 1 for ch in chs):
-            jobs.append((p, [(i, c, [len(p) - 1], ch) for c, ch in enumerate(chs)]))
-        else:
-            jobs += [
-                (p + ch, [(i, c, list(range(len(p) - 1, len(p) - 1 + len(ch))), ch)])
-                for c, ch in enumerate(chs)
-            ]
-    jobs.sort(key=lambda job: len(job[0]))
-    scores = torch.full((len(enc), n_choices.pop()), float("nan"), dtype=torch.float64)
-    for start in range(0, len(jobs), batch_size):
-        chunk = jobs[start : start + batch_size]
-        batch = torch.zeros(len(chunk), max(len(ids) for ids, _ in chunk), dtype=torch.long)
-        for row, (ids, _) in enumerate(chunk):
-            batch[row, : len(ids)] = torch.tensor(ids)
-        logits = run_hooks(
-            model, batch.to(model.cfg.device), fwd_hooks, return_type="logits"
-        )  # [batch pos vocab]
-        for row, (_, targets) in enumerate(chunk):
-            for i, c, pos, tgt in targets:
-                logp = torch.log_softmax(logits[row, pos].double(), dim=-1).cpu()  # [n_scored vocab]
-                scores[i, c] = logp[torch.arange(len(tgt)), torch.tensor(tgt)].sum()
-    return scores
-
-
-def task_accuracy(
-    model: Any,
-    items: Sequence[TaskItem],
-    fwd_hooks: Sequence[FwdHook] = (),
-    *,
-    batch_size: int = 8,
-    max_tokens: int | None = None,
-    encoded: Sequence[tuple[list[int], list[list[int]]]] | None = None,
-) -> float:
-    """Share of items whose highest-scoring choice (:func:`score_choices`) is the gold answer."""
-    scores = score_choices(
-        model,
-        encoded if encoded is not None else items,
-        fwd_hooks,
-        batch_size=batch_size,
-        max_tokens=max_tokens,
-    )
-    gold = torch.tensor([item.answer for item in items])
-    return float((scores.argmax(dim=1) == gold).double().mean())
+    tokens = to_tokens(model, tokens, min_pos=2, what="the sweep check (a token to predict)")
+    if isinstance(heads, int):
+        n_layers, n_heads = int(model.cfg.n_layers), int(model.cfg.n_heads)
+        heads = [(0, 0), (n_layers // 2, min(1, n_heads - 1)), (n_layers - 1, n_heads - 1)][:heads]
+    mode: AblationMode = "mean" if sweep.mode == "mean" else "zero"
+    gaps = []
+    for lh in heads:
+        hooks = head_ablation_hooks(model, [lh], mode=mode, means=means)
+        gaps.append(
+            float((text_nll(model, tokens, hooks, batch_size=batch_size) - sweep.nll[lh]).abs().max())
+        )
+    return {"heads": [[int(a), int(b)] for a, b in heads], "max_abs_nll_gap": max(gaps) if gaps else None}
 
 
 # --------------------------------------------------------------------------- retention curves
-
-
-def retention_levels(n_heads: int, levels: Sequence[float] = RETENTION_LEVELS) -> list[tuple[float, int]]:
-    """``(retention, n_kept)`` with ``n_kept = floor(retention * n_heads + 1/2)`` (round half up).
-
-    >>> retention_levels(72)[:3]
-    [(1.0, 72), (0.9, 65), (0.8, 58)]
-    """
-    out = []
-    for r in levels:
-        if not 0 <= r <= 1:
-            raise ValueError(f"retention must be in [0, 1], got {r}")
-        out.append((float(r), math.floor(r * n_heads + 0.5 + 1e-9)))
-    return out
 
 
 def _check_order(model: Any, order: Sequence[Head]) -> list[Head]:
@@ -722,7 +389,7 @@ def retention_curve(
         for c, t in corpora.items()
     }
     n_total = len(order)
-    encoded = _encode_items(model, task[1], None) if task is not None else None
+    encoded = encode_choices(model, task[1]) if task is not None else None
     if clean is None:
         clean = _Clean()
     if any(c not in clean.nll for c in corpora) or (task is not None and clean.accuracy is None):
@@ -792,7 +459,7 @@ class RetentionCurves:
     def to_frame(self) -> pd.DataFrame:
         return self.frame.copy()
 
-    def summary(self) -> pd.DataFrame:
+    def summary_frame(self) -> pd.DataFrame:
         """Per order and corpus/task: mean ``ΔPPL`` (or mean accuracy) over the retention levels below 100%."""
         df = self.frame[self.frame["retention"] < 1.0]
         return (
@@ -800,6 +467,45 @@ class RetentionCurves:
             .agg(mean_delta_ppl=("delta_ppl", "mean"), mean_accuracy=("accuracy", "mean"))
             .reset_index()
         )
+
+    def comparison(self) -> pd.DataFrame:
+        """Each order's PPL (accuracy) per corpus/task and retention < 100%, and the best order
+        (:func:`~mechgeom.analyses.head_orders.compare_orders`)."""
+        return compare_orders(self.frame)
+
+    def taxonomy_wins(self) -> dict[str, Any]:
+        """Where the taxonomy order beats each baseline (:func:`~mechgeom.analyses.head_orders.taxonomy_wins`)."""
+        return taxonomy_wins(self.comparison())
+
+    def summary(self) -> dict[str, Any]:
+        """Headline numbers: ``n_heads``, ``mode``, ``orders``, ``levels``, ``mean_delta_ppl`` ``{order: mean
+        ΔPPL over the levels below 100% and every corpus}``, ``by_corpus`` ``{corpus: {order: mean ΔPPL (a
+        corpus) or mean accuracy (a task)}}`` and ``taxonomy_wins`` (:meth:`taxonomy_wins`)."""
+        out: dict[str, Any] = {"n_heads": int(self.n_heads), "mode": self.mode}
+        if self.frame.empty:
+            return {
+                **out,
+                "orders": [],
+                "levels": [],
+                "mean_delta_ppl": {},
+                "by_corpus": {},
+                "taxonomy_wins": {},
+            }
+        below = self.frame[(self.frame["retention"] < 1.0) & self.frame["ppl"].notna()]
+        by_corpus: dict[str, dict[str, float]] = {}
+        for r in self.summary_frame().to_dict("records"):
+            value = r["mean_accuracy"] if np.isnan(r["mean_delta_ppl"]) else r["mean_delta_ppl"]
+            by_corpus.setdefault(str(r["corpus"]), {})[str(r["order"])] = float(value)
+        return {
+            **out,
+            "orders": [str(o) for o in self.frame["order"].unique()],
+            "levels": sorted({float(r) for r in self.frame["retention"]}, reverse=True),
+            "mean_delta_ppl": {
+                str(o): float(v) for o, v in below.groupby("order", sort=False)["delta_ppl"].mean().items()
+            },
+            "by_corpus": by_corpus,
+            "taxonomy_wins": self.taxonomy_wins(),
+        }
 
 
 def retention_curves(

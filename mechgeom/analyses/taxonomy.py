@@ -29,18 +29,17 @@ import numpy as np
 import pandas as pd
 import torch
 
-from mechgeom._progress import progress
 from mechgeom.hooks import (
     FwdHook,
     LayerActivations,
     LayerCollector,
-    check_sink_positions,
+    collect,
     head_outputs,
     modified_pairs,
-    run_hooks,
     to_tokens,
 )
-from mechgeom.typing import WO, Bool, Float, Int, Pattern, Tensor, Values, Z
+from mechgeom.hooks.masks import check_sink_positions
+from mechgeom.typing import WO, Bool, Float, Int, Pattern, Tensor, Tokens, Values, Z
 
 __all__ = [
     "LABELS",
@@ -76,12 +75,6 @@ _SUMS = (
     "cos_cur_n",
     "n_modified",
 )
-
-
-def _check_sinks(sink_positions: int | Sequence[int], n_pos: int | None = None) -> tuple[int, ...]:
-    """The sink set in the order given (the first one is the alignment's sink), checked by
-    :func:`mechgeom.hooks.check_sink_positions`."""
-    return check_sink_positions(sink_positions, n_pos)
 
 
 def source_winners(pattern: Pattern, v: Values) -> Int[Tensor, "batch head_index query_pos"]:
@@ -149,7 +142,7 @@ def layer_taxonomy(
     """
     winners = source_winners(pattern, v)
     b, h, _, k = pattern.shape
-    sinks = _check_sinks(sink_positions, k)
+    sinks = check_sink_positions(sink_positions, k)
     first = max(sinks) + 1
     if first >= k:
         raise ValueError(f"no query after the sink position(s) {list(sinks)} in sequences of {k} positions")
@@ -196,7 +189,8 @@ class TaxonomyResult:
     """Winner counts of every analysed head; :meth:`to_frame` gives the per-head table.
 
     ``sums[name]`` is ``[layer, head_index]`` (see :func:`layer_taxonomy`); ``winners`` (kept on request)
-    is ``[batch, layer, head_index, query_pos]``.
+    is ``[batch, layer, head_index, query_pos]``; ``tokens`` the texts given to the collector's
+    :meth:`~TaxonomyCollector.result` (``None`` from a cache without them).
     """
 
     layers: list[int]
@@ -206,6 +200,7 @@ class TaxonomyResult:
     model_name: str = ""
     corpus: str = ""
     extras: dict[str, Any] = field(default_factory=dict)
+    tokens: Tokens | None = None
 
     def fractions(self) -> dict[str, Float[Tensor, "layer head_index"]]:
         """``f_cur``, ``f_sink``, ``f_other`` and ``sink_rate`` per head."""
@@ -253,12 +248,35 @@ class TaxonomyResult:
             df["corpus"] = self.corpus
         return df
 
+    def summary(self) -> dict[str, Any]:
+        """The headline numbers of :func:`regime_summary` of :meth:`to_frame`, JSON-serialisable.
+
+        ``shares`` and ``counts`` (``{label: ...}`` for the three :data:`LABELS`, 0 when absent), ``n_heads``,
+        ``cos_out_sink_mixer`` (Mixers' outputs vs the sink value) and ``cos_out_cur_retriever``
+        (Retrievers' outputs vs the current token's value), each NaN when the regime has no head,
+        ``alignment`` (per label: ``cos_out_sink``, ``cos_out_cur``, ``sink_rate``) and ``corpus``.
+        """
+        table = self.to_frame()
+        regimes = regime_summary(table).set_index("label")
+        col: dict[str, dict[Any, Any]] = {c: regimes[c].to_dict() for c in regimes.columns}
+        align = ("cos_out_sink", "cos_out_cur", "sink_rate")
+        return {
+            "corpus": self.corpus,
+            "n_heads": len(table),
+            "shares": {lab: float(col["share"][lab]) for lab in LABELS},
+            "counts": {lab: int(col["n_heads"][lab]) for lab in LABELS},
+            "cos_out_sink_mixer": float(col["cos_out_sink"]["Mixer"]),
+            "cos_out_cur_retriever": float(col["cos_out_cur"]["Retriever"]),
+            "alignment": [{"label": lab, **{c: float(col[c][lab]) for c in align}} for lab in LABELS],
+        }
+
 
 class TaxonomyCollector:
     """Hook collector (on :class:`mechgeom.hooks.LayerCollector`) that accumulates winner counts.
 
     ``fwd_hooks`` read ``hook_pattern``, ``hook_v`` and ``hook_z``; counts add up over as many forward
     passes (or :meth:`feed_cache` calls) as you like; :meth:`result` returns a :class:`TaxonomyResult`.
+    ``corpus`` labels the result (a ``corpus`` column of its table when not empty).
     """
 
     def __init__(
@@ -268,10 +286,12 @@ class TaxonomyCollector:
         *,
         sink_positions: Sequence[int] = (0,),
         keep_winners: bool = False,
+        corpus: str = "",
     ) -> None:
         self.model = model
-        self.sink_positions = _check_sinks(sink_positions)
+        self.sink_positions = check_sink_positions(sink_positions)
         self.keep_winners = keep_winners
+        self.corpus = str(corpus)
         self.collector = LayerCollector(model, layers, self._on_layer)
         self.layers = self.collector.layers
         self._sums: dict[int, dict[str, Tensor]] = {}
@@ -300,7 +320,8 @@ class TaxonomyCollector:
     def feed_cache(self, cache: Any) -> None:
         self.collector.feed_cache(cache)
 
-    def result(self, *, corpus: str = "") -> TaxonomyResult:
+    def result(self, tokens: Tokens | None = None) -> TaxonomyResult:
+        """The pooled counts of every pass so far; ``tokens`` (the texts analysed) are kept on the result."""
         missing = [la for la in self.layers if la not in self._sums]
         if missing:
             raise RuntimeError(
@@ -317,7 +338,8 @@ class TaxonomyCollector:
             sink_positions=self.sink_positions,
             winners=winners,
             model_name=str(getattr(self.model.cfg, "model_name", "")),
-            corpus=corpus,
+            corpus=self.corpus,
+            tokens=None if tokens is None else tokens.detach().cpu(),
         )
 
 
@@ -338,7 +360,7 @@ def classify_heads(
     ``extra_hooks`` run in the same passes, before mechgeom's readers (e.g. a pattern intervention).
     """
     tokens = to_tokens(model, tokens_or_text, min_pos=2, what="the taxonomy (a query after the sink)")
-    sinks = _check_sinks(sink_positions, tokens.shape[1])
+    sinks = check_sink_positions(sink_positions, tokens.shape[1])
     if max(sinks) + 1 >= tokens.shape[1]:
         raise ValueError(
             f"the taxonomy needs a query after the sink position(s) {list(sinks)}: "
@@ -346,12 +368,12 @@ def classify_heads(
         )
     if batch_size < 1:
         raise ValueError(f"batch_size must be positive, got {batch_size}")
-    col = TaxonomyCollector(model, layers, sink_positions=sink_positions, keep_winners=keep_winners)
-    starts = range(0, tokens.shape[0], batch_size)
-    for start in progress(starts, desc="taxonomy", enabled=verbose, total=len(starts)):
-        batch = tokens[start : start + batch_size]
-        run_hooks(model, batch, [*extra_hooks, *col.fwd_hooks], stop_at_layer=max(col.layers) + 1)
-    return col.result(corpus=corpus)
+    col = TaxonomyCollector(
+        model, layers, sink_positions=sink_positions, keep_winners=keep_winners, corpus=corpus
+    )
+    return collect(
+        model, tokens, col, batch_size=batch_size, extra_hooks=extra_hooks, desc="taxonomy", verbose=verbose
+    )
 
 
 def classify_heads_from_cache(
@@ -361,12 +383,18 @@ def classify_heads_from_cache(
     layers: int | Sequence[int] | None = None,
     sink_positions: Sequence[int] = (0,),
     keep_winners: bool = False,
+    tokens: Tokens | None = None,
     corpus: str = "",
 ) -> TaxonomyResult:
-    """The same labels from an ``ActivationCache`` holding ``hook_pattern``, ``hook_v``, ``hook_z``."""
-    col = TaxonomyCollector(model, layers, sink_positions=sink_positions, keep_winners=keep_winners)
+    """The same labels from an ``ActivationCache`` holding ``hook_pattern``, ``hook_v``, ``hook_z``.
+
+    ``tokens`` (the cached texts, optional) are kept on the result.
+    """
+    col = TaxonomyCollector(
+        model, layers, sink_positions=sink_positions, keep_winners=keep_winners, corpus=corpus
+    )
     col.feed_cache(cache)
-    return col.result(corpus=corpus)
+    return col.result(None if tokens is None else to_tokens(model, tokens))
 
 
 # --------------------------------------------------------------------------- tables
@@ -419,6 +447,10 @@ class AgreementResult:
     pairwise: pd.DataFrame
     all_agree: float
     confusion: dict[tuple[str, str], pd.DataFrame]
+
+    def summary(self) -> dict[str, Any]:
+        """``{"pairwise": [one record per pair: a, b, n_heads, agreement], "all_agree": share}``."""
+        return {"pairwise": self.pairwise.to_dict(orient="records"), "all_agree": float(self.all_agree)}
 
 
 def label_agreement(tables: Mapping[str, pd.DataFrame] | Sequence[pd.DataFrame]) -> AgreementResult:

@@ -27,6 +27,7 @@ __all__ = [
     "plot_cone_shift",
     "plot_convexity_curves",
     "plot_curves",
+    "plot_head_heatmaps",
     "plot_rate_vs_ratio",
     "plot_regime_grid",
     "plot_retention",
@@ -43,6 +44,25 @@ def save_png(fig: Figure, path: str | Path, *, dpi: int = 100) -> Path:
     if "matplotlib.pyplot" in sys.modules:  # a pyplot figure would otherwise stay open
         sys.modules["matplotlib.pyplot"].close(fig)
     return path
+
+
+# --------------------------------------------------------------------------- per-head tables
+
+
+def plot_head_heatmaps(df: pd.DataFrame, cols: Sequence[tuple[str, str]]) -> Figure:
+    """One ``layer x head`` heatmap per ``(column, title)`` of a per-head table (integer ``layer``/``head``),
+    side by side with a shared layer axis (e.g. the contribution overview's ``heads`` table)."""
+    fig = Figure(figsize=(3.4 * len(cols), 3.6))
+    axes = fig.subplots(1, len(cols), sharey=True, squeeze=False)[0]
+    for ax, (col, title) in zip(axes, cols, strict=True):
+        grid = df.pivot(index="layer", columns="head", values=col)
+        im = ax.imshow(grid.to_numpy(dtype=float), aspect="auto", cmap="viridis", origin="lower")
+        ax.set_title(title, fontsize=9)
+        ax.set_xlabel("head")
+        fig.colorbar(im, ax=ax, fraction=0.046)
+    axes[0].set_ylabel("layer")
+    fig.tight_layout()
+    return fig
 
 
 # --------------------------------------------------------------------------- faithfulness (mechgeom.analyses.faithfulness)

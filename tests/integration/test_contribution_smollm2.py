@@ -14,6 +14,7 @@ from mechgeom.analyses.contribution import (
     INTER_METRICS,
     INTRA_METRICS,
     ContributionCollector,
+    contribution_overview,
     contribution_weights,
     contribution_weights_from_cache,
     reconstruct_attn_out,
@@ -236,3 +237,26 @@ def test_head_removal_keeps_the_layer_identities_on_both_backends(smollm2, smoll
     torch.testing.assert_close(
         res.intra["value_weighted"][:, 0, keep], clean.intra["value_weighted"][:, 0, keep]
     )
+
+
+# --------------------------------------------------------------------------- headline statistics
+
+
+def test_overview_on_real_text_streams_the_same_numbers_as_a_result(smollm2, smollm2_windows) -> None:
+    layers = [3, 4, 12, 20, 29]
+    ov = contribution_overview(smollm2, smollm2_windows, layers=layers, batch_size=1)
+    assert not has_hooks(smollm2)
+    res = contribution_weights(smollm2, smollm2_windows, layers=layers)
+    streamed, in_memory = ov.summary(), res.summary()
+    assert list(streamed) == list(in_memory)
+    for k, v in in_memory.items():
+        assert streamed[k] == pytest.approx(v, rel=1e-5, abs=1e-7), k
+    assert streamed["n_heads"] == 9 * len(layers) and streamed["n_texts"] == smollm2_windows.shape[0]
+    assert ov.heads.notna().all().all() and ov.layers.notna().all().all()
+    # paper A on a real model: the sink gets much of the attention but a smaller share of the contribution,
+    # contribution weights are often negative, and attention's top source is often not contribution's
+    assert streamed["sink_attention"] > streamed["sink_contribution"] + 0.05
+    assert (ov.heads["sink_attention"] > ov.heads["sink_contribution"]).mean() > 0.75
+    assert streamed["negative_share"] > 0.05 and 0.3 < streamed["top1_agreement"] < 0.95
+    assert streamed["view_layer"] in layers and streamed["view_layer_tv"] > 0.3
+    assert ov.view.str_tokens is not None and len(ov.view.str_tokens[0]) == smollm2_windows.shape[1]

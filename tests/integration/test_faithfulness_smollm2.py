@@ -134,7 +134,7 @@ def test_smollm2_task_scoring_uses_the_real_tokenizer(smollm2, tmp_path) -> None
         ["contribution"],
         rates=(0.0, 0.5),
         batch_size=4,
-        out=tmp_path / "t.csv",
+        checkpoint=tmp_path / "t.csv",
         verbose=False,
     )
     rec = pd.read_csv(tmp_path / "t.per_choice.csv")

@@ -128,3 +128,23 @@ def test_choice_scores_equal_unbatched_smollm2(smollm2):
             ref = sum(float(logp[len(prompt) - 1 + t, tok]) for t, tok in enumerate(cont))
             assert scores[i, c].item() == pytest.approx(ref, rel=1e-5)
     assert (scores < 0).all()
+
+
+def test_head_stats_labels_equal_classify_heads_smollm2(smollm2, smollm2_windows):
+    """The taxonomy collected in head_stats' own passes is classify_heads' table; the order starts with Resets."""
+    from mechgeom.analyses.pruning import head_orders
+    from mechgeom.analyses.taxonomy import classify_heads
+
+    ref = smollm2_windows[2:]
+    stats = head_stats(smollm2, ref)
+    table = stats.taxonomy.to_frame()
+    want = classify_heads(smollm2, ref).to_frame()
+    assert table[["layer", "head", "label"]].equals(want[["layer", "head", "label"]])
+    for col in ("f_cur", "f_sink", "f_other", "sink_rate"):
+        assert table[col].to_numpy() == pytest.approx(want[col].to_numpy(), abs=1e-9)
+    order = head_orders(smollm2, stats)["taxonomy"]
+    labels = dict(zip(zip(table["layer"], table["head"], strict=True), table["label"], strict=True))
+    ranks = {"Reset": 0, "Mixer": 1, "Retriever": 2}
+    assert [ranks[labels[lh]] for lh in order] == sorted(ranks[labels[lh]] for lh in order)
+    assert len(set(table["label"])) >= 2  # a real model has more than one regime
+    assert not has_hooks(smollm2)

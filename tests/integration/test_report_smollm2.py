@@ -51,7 +51,7 @@ EXPECTED_FILES = [
     "figures/selection_f_scores.png",
     "figures/taxonomy_regimes.png",
     "figures/pruning_retention.png",
-    *[f"stages/{name}.json" for name in STAGE_NAMES],
+    "stages/stages.csv",
     *[f"stages/{name}.html" for name in STAGE_NAMES],
 ]
 
@@ -80,14 +80,14 @@ def quick_report_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     argv = ["report", "--quick", "--no-progress", "--out", str(out)]
     first: Counter[str] = Counter()
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(report, "STAGES", _with_counters(first, INTERRUPT_AT))
+        mp.setattr(report.build, "STAGES", _with_counters(first, INTERRUPT_AT))
         rc_first = main(argv)
-    mtimes = {n: (out / "stages" / f"{n}.json").stat().st_mtime_ns for n in FINISHED_BEFORE}
+    mtimes = {n: (out / "stages" / f"{n}.html").stat().st_mtime_ns for n in FINISHED_BEFORE}
     second: Counter[str] = Counter()
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(report, "STAGES", _with_counters(second, None))
+        mp.setattr(report.build, "STAGES", _with_counters(second, None))
         rc_second = main(argv)
-    after = {n: (out / "stages" / f"{n}.json").stat().st_mtime_ns for n in FINISHED_BEFORE}
+    after = {n: (out / "stages" / f"{n}.html").stat().st_mtime_ns for n in FINISHED_BEFORE}
     log.write_text(
         json.dumps(
             {"rc": [rc_first, rc_second], "first": first, "second": second, "mtimes_kept": mtimes == after}
@@ -122,7 +122,11 @@ def test_quick_report_writes_every_file(quick: tuple[Path, dict[str, Any]]) -> N
         if f.endswith(".png"):
             assert 2_000 < (out / f).stat().st_size < 300_000, f
     for name in STAGE_NAMES:
-        meta = json.loads((out / "stages" / f"{name}.json").read_text())
+        rows = report.stage_store(out).rows()
+        assert (rows["stage"] == name).sum() == 1  # one row per stage
+        meta = rows[rows["stage"] == name].iloc[0].to_dict()
+        meta["settings"] = json.loads(meta["settings"])
+        meta["files"] = json.loads(meta["files"])
         assert meta["settings"] == {
             "model": "smollm2-135m",
             "corpus": "wikitext2",
@@ -190,7 +194,7 @@ def test_rerun_is_instant_and_stdout_is_the_path(
     out, _ = quick
     calls: Counter[str] = Counter()
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(report, "STAGES", _with_counters(calls, None))
+        mp.setattr(report.build, "STAGES", _with_counters(calls, None))
         assert main(["report", "--quick", "--no-progress", "--out", str(out)]) == 0
     assert calls == Counter()
     captured = capsys.readouterr()

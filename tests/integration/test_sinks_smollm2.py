@@ -12,9 +12,11 @@ from mechgeom.analyses.sinks import (
     SinkResult,
     affected_heads,
     convexity_by_intervention,
+    convexity_check,
     sink_ablation,
     sink_statistics,
     sink_value_hooks,
+    top_sink_heads,
 )
 from mechgeom.hooks import LayerCollector, hook_name, run_hooks
 
@@ -108,6 +110,28 @@ def test_smollm2_sink_geometry(stats):
     assert (deep["norm_ratio_vt"] < 1).mean() > 0.8
     assert (deep["cos_sink_tokens"] < 0).mean() > 0.5
     assert float(stats.interior_share(pooled=True)) > 0.7
+
+
+def test_summary_and_convexity_check_smollm2(smollm2, smollm2_windows, stats):
+    """The headline numbers restate the table (SmolLM2: small, anti-aligned sinks, interior minima), and the
+    report's convexity check on its top sink heads matches the closed form."""
+    s = stats.summary()
+    deep = stats.to_frame()
+    deep = deep[deep["layer"] >= 1]
+    assert s["n_heads"] == 30 * 9 and s["n_texts"] == 2 and s["seq_len"] == 64
+    assert s["norm_ratio_vt_layers_ge1"]["median"] == pytest.approx(float(deep["norm_ratio_vt"].median()))
+    assert s["norm_ratio_vt_layers_ge1"]["median"] < 0.5 and s["share_ratio_vt_below_1_layers_ge1"] > 0.8
+    assert s["share_cos_sink_tokens_negative_layers_ge1"] > 0.5 and s["interior_share_pooled"] > 0.7
+    assert s["sink_rate_per_head"]["median"] > 0.3 and s["n_sink_heads"] > 0
+    shares = s["factor_shares_tail_pooled"]
+    assert sum(shares.values()) == pytest.approx(1.0, abs=1e-3)
+    heads = top_sink_heads(stats, 2)
+    rates = deep.set_index(["layer", "head"])["sink_rate"]
+    assert [rates[h] for h in heads] == sorted(rates, reverse=True)[:2]
+    check = convexity_check(smollm2, smollm2_windows[:2], heads, [0.0, 0.5, 1.0], stats=stats)
+    summary = check.summary()
+    assert summary["heads"] == [list(h) for h in heads] and summary["n_points"] == 2 * 3 * 2 * 63
+    assert summary["max_rel_error"] < 1e-4
 
 
 def test_gqa_ablation_and_identity_smollm2(smollm2, smollm2_windows):

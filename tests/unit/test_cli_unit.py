@@ -15,6 +15,7 @@ import torch
 from conftest import make_tiny, random_tokens
 
 from mechgeom import report
+from mechgeom.analyses.contribution_stats import add_sums, finish_sums, score_sums
 from mechgeom.cli import build_parser, main
 from mechgeom.models import list_models
 
@@ -104,7 +105,7 @@ def test_score_summary_matches_python_loops() -> None:
     c = (torch.randn(b, h, n, n, generator=g) * 0.5 + a).tril()
     c[1, 2, 4] = float("nan")  # a zero-norm row: skipped, never a crash
     c[1, 2, 4, 5] = 0.0  # (above the diagonal it is 0, as ContributionResult stores it)
-    got = report._score_summary(a, vn, c)
+    got = finish_sums(score_sums(a, vn, c))
     for hh in range(h):
         sink_a, neg, tot, agree, tv, n_q, n_c = [], 0, 0, 0, [], 0, []
         for bb in range(b):
@@ -134,12 +135,12 @@ def test_score_sums_add_up_over_batches() -> None:
     a = a / a.sum(-1, keepdim=True)
     vn, c = torch.rand(5, 2, 7, 7, generator=g).tril(), torch.randn(5, 2, 7, 7, generator=g).tril()
     c[3, 1, 2] = float("nan")
-    whole = report._score_summary(a, vn, c)
+    whole = finish_sums(score_sums(a, vn, c))
     acc = None
     for sl in (slice(0, 2), slice(2, 3), slice(3, 5)):
-        acc = report._add_sums(acc, report._score_sums(a[sl], vn[sl], c[sl]))
+        acc = add_sums(acc, score_sums(a[sl], vn[sl], c[sl]))
     assert acc is not None
-    for k, v in report._finish(acc).items():
+    for k, v in finish_sums(acc).items():
         torch.testing.assert_close(v, whole[k], msg=k)
 
 
@@ -154,8 +155,8 @@ def test_contributions_stage_streams_batches(tmp_path: Path) -> None:
     df = pd.read_csv(tmp_path / "contributions.csv")
     assert len(df) == 2 * 4 and not df.duplicated(["layer", "head"]).any()
     res = contribution_weights(model, tokens, layers=[1])
-    direct = report._score_summary(
-        *(res.intra[k][:, 0] for k in ("attention", "value_weighted_normalized", "contribution"))
+    direct = finish_sums(
+        score_sums(*(res.intra[k][:, 0] for k in ("attention", "value_weighted_normalized", "contribution")))
     )
     got = df[df["layer"] == 1].sort_values("head")
     for k, v in direct.items():
@@ -197,8 +198,8 @@ def test_faithfulness_order_verdicts() -> None:
 
 
 def test_spread_layers() -> None:
-    assert report._spread_layers(30, 4) == [0, 10, 19, 29]
-    assert report._spread_layers(2, 4) == [0, 1]
+    assert report.spread_layers(30, 4) == [0, 10, 19, 29]
+    assert report.spread_layers(2, 4) == [0, 1]
 
 
 # --------------------------------------------------------------------------- stage bookkeeping
@@ -220,7 +221,18 @@ def _counting_stages(
 
         return dataclasses.replace(stage, run=run)
 
-    monkeypatch.setattr(report, "STAGES", tuple(wrap(s) for s in ORIGINAL_STAGES))
+    monkeypatch.setattr(report.build, "STAGES", tuple(wrap(s) for s in ORIGINAL_STAGES))
+
+
+def _row(out: Path, name: str) -> dict[str, Any] | None:
+    """The stage store's row of ``name`` (its settings and params decoded), or None."""
+    rows = report.stage_store(out).rows()
+    rows = rows[rows["stage"] == name] if len(rows) else rows
+    assert len(rows) <= 1  # one row per stage
+    if not len(rows):
+        return None
+    row = rows.iloc[0].to_dict()
+    return {**row, "settings": json.loads(row["settings"]), "params": json.loads(row["params"])}
 
 
 def _tiny_report(out: Path, **kw: Any) -> report.ReportResult:
@@ -235,18 +247,19 @@ def test_interrupted_report_resumes_without_recomputing(
     _counting_stages(monkeypatch, calls, {"taxonomy": KeyboardInterrupt()})
     with pytest.raises(KeyboardInterrupt):
         _tiny_report(tmp_path)
-    assert (tmp_path / "stages" / "contributions.json").is_file()
-    assert not (tmp_path / "stages" / "taxonomy.json").exists()
+    assert _row(tmp_path, "contributions") is not None
+    assert _row(tmp_path, "taxonomy") is None
     assert "status pending" in (tmp_path / "report.html").read_text()  # the page written after stage 1
     first = (tmp_path / "contributions.csv").read_bytes()
-    mtime = (tmp_path / "stages" / "contributions.json").stat().st_mtime_ns
+    mtime = (tmp_path / "stages" / "contributions.html").stat().st_mtime_ns
 
     calls.clear()
     _counting_stages(monkeypatch, calls, {})
     res = _tiny_report(tmp_path)
     assert calls == Counter({"taxonomy": 1})  # contributions was loaded, not recomputed
     assert res.status() == {"contributions": "reused", "taxonomy": "computed"}
-    assert (tmp_path / "stages" / "contributions.json").stat().st_mtime_ns == mtime
+    assert (tmp_path / "stages" / "contributions.html").stat().st_mtime_ns == mtime
+    assert _row(tmp_path, "contributions") is not None and _row(tmp_path, "taxonomy") is not None
     assert (tmp_path / "contributions.csv").read_bytes() == first
     page = (tmp_path / "report.html").read_text()
     assert "status pending" not in page and page.count("<section") == 2
@@ -267,7 +280,7 @@ def test_checkpoints_live_under_out_and_nothing_else_is_written(
         seen.append(ctx.partial_path("sweep", ".csv"))
         return inner.run(ctx, p)
 
-    monkeypatch.setattr(report, "STAGES", (dataclasses.replace(inner, run=run),))
+    monkeypatch.setattr(report.build, "STAGES", (dataclasses.replace(inner, run=run),))
     cwd = tmp_path / "cwd"
     cwd.mkdir()
     monkeypatch.chdir(cwd)
@@ -287,8 +300,12 @@ def test_changed_settings_recompute(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     _tiny_report(tmp_path, seed=3)  # another seed: another key
     _tiny_report(tmp_path, seed=3, tokens=random_tokens(2, 10, seed=2))  # other tokens: another key
     assert calls == Counter({"contributions": 3, "taxonomy": 3})
-    meta = json.loads((tmp_path / "stages" / "taxonomy.json").read_text())
-    assert meta["settings"]["seed"] == 3 and meta["settings"]["corpus"].startswith("tokens:")
+    meta = _row(tmp_path, "taxonomy")
+    assert (
+        meta is not None
+        and meta["settings"]["seed"] == 3
+        and meta["settings"]["corpus"].startswith("tokens:")
+    )
 
 
 def test_a_missing_file_forces_recompute(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -316,13 +333,13 @@ def test_failed_stage_is_reported_and_retried(tmp_path: Path, monkeypatch: pytes
 def test_missing_module_is_skipped_with_a_note(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     stages = tuple(
         dataclasses.replace(s, module="mechgeom.not_there") if s.name == "taxonomy" else s
-        for s in report.STAGES
+        for s in ORIGINAL_STAGES
     )
-    monkeypatch.setattr(report, "STAGES", stages)
+    monkeypatch.setattr(report.build, "STAGES", stages)
     res = _tiny_report(tmp_path)
     assert res.status()["taxonomy"] == "skipped"
     assert "not available: the module mechgeom.not_there" in (tmp_path / "report.html").read_text()
-    assert not (tmp_path / "stages" / "taxonomy.json").exists()
+    assert _row(tmp_path, "taxonomy") is None
 
 
 def test_unknown_stage_and_bad_sizes(tmp_path: Path) -> None:

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from functools import partial
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -519,3 +520,98 @@ def test_streaming_with_reused_buffers_and_result_written_in_place() -> None:
     geo = LayerGeometry(alpha, expand_kv(v, 4), z, model.W_O[0].detach())
     with pytest.raises(ValueError, match="buffer for 'contribution'"):
         geo.compute(["contribution"], [], out_intra={"contribution": torch.empty(2, 4, 9, 8)})
+
+
+# --------------------------------------------------------------------------- one collector signature, progress, layout
+
+
+def test_result_derives_string_tokens_from_the_tokenizer() -> None:
+    model = make_tiny(seed=43)
+    tokens = random_tokens(2, 5, seed=44)
+    col = ContributionCollector(model, [0], intra=["contribution"], inter=[])
+    run_hooks(model, tokens, col.fwd_hooks)
+    assert col.result().tokens is None and col.result().str_tokens is None
+    assert col.result(tokens).str_tokens is None  # a tiny model has no tokenizer
+    # a model with a tokenizer: its strings, one list per text, in the result and its table
+    model.tokenizer = SimpleNamespace(padding_side="right")  # what a forward pass reads of it (a fresh model)
+    model.to_str_tokens = lambda row: [f"<{int(t)}>" for t in row]
+    res = col.result(tokens)
+    assert res.str_tokens == [[f"<{int(t)}>" for t in row] for row in tokens]
+    df = res.to_frame(batch=1, heads=[0])
+    assert (df["key_token"] == [f"<{int(tokens[1, k])}>" for k in df["key"]]).all()
+    assert contribution_weights(model, tokens, layers=[0]).str_tokens == res.str_tokens
+    _, cache = model.run_with_cache(tokens)
+    assert (
+        contribution_weights_from_cache(model, cache, layers=[0], tokens=tokens).str_tokens == res.str_tokens
+    )
+    assert contribution_weights_from_cache(model, cache, layers=[0]).str_tokens is None
+
+
+def test_verbose_shows_a_bar_over_layers_and_changes_nothing(capsys, monkeypatch) -> None:
+    from mechgeom.analyses import contribution
+
+    model = make_tiny(n_layers=3, seed=45)
+    tokens = random_tokens(1, 6, seed=46)
+    quiet = contribution_weights(model, tokens, intra=["contribution"], inter=["contribution"])
+    assert "contributions" not in capsys.readouterr().err
+    loud = contribution_weights(model, tokens, intra=["contribution"], inter=["contribution"], verbose=True)
+    assert "contributions" in capsys.readouterr().err
+    assert torch.equal(quiet.intra["contribution"], loud.intra["contribution"])
+    # the bar advances once per layer, as each layer is computed, and closes after the pass
+    events: list[tuple[str, object]] = []
+    real_on_layer = ContributionCollector._on_layer
+
+    def on_layer(self, acts):
+        events.append(("computed", acts.layer))
+        real_on_layer(self, acts)
+
+    def fake_progress(iterable, *, desc, enabled=True, total=None):
+        events.append(("open", (desc, enabled, total)))
+        try:
+            for x in iterable:
+                yield x
+                events.append(("step", x))
+        finally:
+            events.append(("close", None))
+
+    monkeypatch.setattr(contribution, "progress", fake_progress)
+    monkeypatch.setattr(ContributionCollector, "_on_layer", on_layer)
+    contribution_weights(model, tokens, layers=[2, 0], intra=["contribution"], inter=[], verbose=True)
+    assert events == [
+        ("open", ("contributions", True, 2)),
+        ("computed", 0),
+        ("step", 2),
+        ("computed", 2),
+        ("step", 0),
+        ("close", None),
+    ]
+
+    # a failing pass closes the bar and leaves no hooks
+    def boom(tensor, hook):
+        raise RuntimeError("user hook failed")
+
+    events.clear()
+    with pytest.raises(RuntimeError, match="user hook failed"):
+        contribution_weights(model, tokens, extra_hooks=[("blocks.1.attn.hook_v", boom)], verbose=True)
+    assert not has_hooks(model)
+    assert events[0] == ("open", ("contributions", True, 3)) and ("computed", 0) in events
+    assert events[-1] == ("close", None) and ("step", 1) not in events
+
+
+def test_geometry_lives_in_its_module_and_uses_the_shared_gram() -> None:
+    from mechgeom import maths
+    from mechgeom.analyses import contribution, contribution_geometry
+
+    assert contribution.LayerGeometry is contribution_geometry.LayerGeometry
+    assert contribution.INTRA_METRICS is contribution_geometry.INTRA_METRICS
+    assert contribution.INTER_METRICS is contribution_geometry.INTER_METRICS
+    assert {"LayerGeometry", "ContributionOverview", "contribution_overview"} <= set(contribution.__all__)
+    assert not hasattr(contribution, "_wo_gram_full") and not hasattr(contribution_geometry, "_WO_GRAMS")
+    model = make_tiny(n_kv=2, seed=47)
+    _, cache = model.run_with_cache(random_tokens(1, 5, seed=48))
+    alpha, v, z = acts_of(cache, 1)
+    W = model.W_O[1].detach()
+    geo = LayerGeometry(alpha, expand_kv(v, 4), z, W)
+    assert geo.wo_gram_full is maths.wo_gram_full(W)  # the one cache of mechgeom.maths
+    assert torch.equal(geo.wo_gram, maths.wo_gram(W))
+    torch.testing.assert_close(geo.wo_gram, torch.einsum("hdm,hem->hde", W, W))

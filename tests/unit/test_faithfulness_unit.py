@@ -6,6 +6,7 @@ exact fractions, and perplexities/accuracies from plain forward passes.
 
 from __future__ import annotations
 
+import json
 import math
 from fractions import Fraction
 from functools import partial
@@ -19,11 +20,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mechgeom import viz
+from mechgeom.analyses import evaluation
 from mechgeom.analyses import faithfulness as fa
 from mechgeom.analyses.contribution import contribution_weights
 from mechgeom.analyses.evaluation import perplexity, text_nll
 from mechgeom.data import TaskItem
-from mechgeom.hooks import has_hooks, run_hooks
+from mechgeom.hooks import has_hooks, head_ablation_hooks, run_hooks
 
 GEO_METRICS = ("attention", "value_weighted", "value_weighted_normalized", "contribution")
 
@@ -45,10 +47,17 @@ def brute_removed(scores: list[float], rate: float, mode: str) -> list[int]:
     return order[:n] if mode == "comprehensiveness" else order[len(scores) - n :]
 
 
-def brute_masks(model, tokens, metric: str, scope: str, rate: float, mode: str) -> dict[int, torch.Tensor]:
-    """``{layer: [batch, head, q, k]}`` masks from clean-pass scores, with explicit loops."""
+def brute_masks(
+    model, tokens, metric: str, scope: str, rate: float, mode: str, extra_hooks=()
+) -> dict[int, torch.Tensor]:
+    """``{layer: [batch, head, q, k]}`` masks from clean-pass scores (``extra_hooks`` attached), with explicit
+    loops."""
     res = contribution_weights(
-        model, tokens, intra=[metric] if scope == "intra" else [], inter=[metric] if scope == "inter" else []
+        model,
+        tokens,
+        intra=[metric] if scope == "intra" else [],
+        inter=[metric] if scope == "inter" else [],
+        extra_hooks=extra_hooks,
     )
     b_n, pos = tokens.shape
     n_heads = model.cfg.n_heads
@@ -287,7 +296,7 @@ def test_resume_after_interruption_gives_the_same_table(tmp_path, monkeypatch) -
     kw = dict(
         metrics=("attention", "contribution", "random"), rates=(0.0, 0.5, 1.0), batch_size=2, verbose=False
     )
-    full = fa.perplexity_curves(model, tokens, out=tmp_path / "full.csv", **kw)
+    full = fa.perplexity_curves(model, tokens, checkpoint=tmp_path / "full.csv", **kw)
 
     real = fa._masked_scores
     calls = {"n": 0}
@@ -301,7 +310,7 @@ def test_resume_after_interruption_gives_the_same_table(tmp_path, monkeypatch) -
     monkeypatch.setattr(fa, "_masked_scores", flaky)
     out = tmp_path / "run.csv"
     with pytest.raises(RuntimeError, match="simulated"):
-        fa.perplexity_curves(model, tokens, out=out, **kw)
+        fa.perplexity_curves(model, tokens, checkpoint=out, **kw)
     assert not has_hooks(model)
     assert not out.exists()
     partial_rows = pd.read_csv(tmp_path / "run.per_text.csv")
@@ -314,7 +323,7 @@ def test_resume_after_interruption_gives_the_same_table(tmp_path, monkeypatch) -
         return real(*args, **kwargs)
 
     monkeypatch.setattr(fa, "_masked_scores", counting)
-    resumed = fa.perplexity_curves(model, tokens, out=out, **kw)
+    resumed = fa.perplexity_curves(model, tokens, checkpoint=out, **kw)
     pd.testing.assert_frame_equal(resumed, full)
     pd.testing.assert_frame_equal(pd.read_csv(out), pd.read_csv(tmp_path / "full.csv"))
     rec = pd.read_csv(tmp_path / "run.per_text.csv")
@@ -325,12 +334,12 @@ def test_resume_after_interruption_gives_the_same_table(tmp_path, monkeypatch) -
 
     # a finished sweep reruns without a forward pass; other settings are refused
     counted["n"] = 0
-    fa.perplexity_curves(model, tokens, out=out, **kw)
+    fa.perplexity_curves(model, tokens, checkpoint=out, **kw)
     assert counted["n"] == 0
     with pytest.raises(ValueError, match="seed"):
-        fa.perplexity_curves(model, tokens, out=out, seed=1, **kw)
+        fa.perplexity_curves(model, tokens, checkpoint=out, seed=1, **kw)
     with pytest.raises(ValueError, match="scope"):
-        fa.perplexity_curves(model, tokens, out=out, scope="inter", **kw)
+        fa.perplexity_curves(model, tokens, checkpoint=out, scope="inter", **kw)
 
 
 def test_task_accuracy_matches_per_sequence_scoring(tmp_path, monkeypatch) -> None:
@@ -340,7 +349,7 @@ def test_task_accuracy_matches_per_sequence_scoring(tmp_path, monkeypatch) -> No
     def encode(_model, text, *, prepend_bos):
         return [ord(ch) % vocab for ch in text]
 
-    monkeypatch.setattr(fa, "_encode", encode)
+    monkeypatch.setattr(evaluation, "_encode", encode)
     items = [
         TaskItem("boolq", "the sky is blue. is it?", (" no", " yes"), 1),
         TaskItem("boolq", "water is dry? answer", (" no", " yes"), 0),
@@ -353,7 +362,7 @@ def test_task_accuracy_matches_per_sequence_scoring(tmp_path, monkeypatch) -> No
         ["attention", "random"],
         rates=(0.0, 0.5),
         batch_size=3,
-        out=tmp_path / "t.csv",
+        checkpoint=tmp_path / "t.csv",
         verbose=False,
     )
     units, owner = fa._task_units(model, items, 40)
@@ -397,6 +406,164 @@ def test_task_accuracy_matches_per_sequence_scoring(tmp_path, monkeypatch) -> No
     assert (frame[frame.task == "all"].n_items == 4).all()
 
 
+def test_extra_hooks_run_in_every_pass_and_match_a_brute_force(tmp_path) -> None:
+    """A zero ablation of two heads, given as ``extra_hooks``: the clean pass is the ablated model's, the rankings
+    come from the ablated clean pass, and the masked pass runs ablation and masking together."""
+    model = make_tiny(n_kv=2)
+    tokens = random_tokens(4, 10, seed=7)
+    abl = head_ablation_hooks(model, [(0, 1), (1, 2)])
+    kw = dict(metrics=("contribution", "random"), rates=(0.0, 0.5), batch_size=3, verbose=False)
+    frame = fa.perplexity_curves(model, tokens, extra_hooks=abl, checkpoint=tmp_path / "abl.csv", **kw)
+    plain = fa.perplexity_curves(model, tokens, **kw)
+    assert not has_hooks(model)
+    clean_nll = text_nll(model, tokens, abl)
+    clean = float(torch.exp(clean_nll.mean()))
+    assert np.allclose(frame["clean_ppl"], clean, rtol=1e-5)
+    assert abs(clean - perplexity(model, tokens)) > 1e-3  # the ablation changes the clean PPL
+    assert np.allclose(plain["clean_ppl"], perplexity(model, tokens), rtol=1e-5)
+    masks = brute_masks(model, tokens, "contribution", "intra", 0.5, "comprehensiveness", extra_hooks=abl)
+    nll = text_nll(model, tokens, [*abl, *brute_hooks(masks)], batch_size=4)
+    row = frame[
+        (frame["metric"] == "contribution") & (frame["mode"] == "comprehensiveness") & (frame["rate"] == 0.5)
+    ].iloc[0]
+    assert row["ppl"] == pytest.approx(float(torch.exp(nll.mean())), rel=1e-5)
+    assert row["delta_ppl"] == pytest.approx(row["ppl"] - clean, rel=1e-4)
+    assert row["delta_nll"] == pytest.approx(float((nll - clean_nll).mean()), rel=1e-4, abs=1e-6)
+    # the rankings are those of the ablated model, not of the plain one
+    ablated = fa.source_rankings(model, tokens, ["contribution"], extra_hooks=abl)["contribution"]
+    plain_ranking = fa.source_rankings(model, tokens, ["contribution"])["contribution"]
+    for la, m in masks.items():
+        assert torch.equal(ablated.mask(la, 0.5, "comprehensiveness").expand_as(m), m)
+    assert not ablated.same_as(plain_ranking)
+    # the hooks are part of the settings fingerprint, both ways, by a repr that is the same in another process
+    with pytest.raises(ValueError, match=r"model: stored .* extra_hooks .*, now "):
+        fa.perplexity_curves(model, tokens, checkpoint=tmp_path / "abl.csv", **kw)
+    other = head_ablation_hooks(model, [(0, 1)])
+    with pytest.raises(ValueError, match="extra_hooks"):
+        fa.perplexity_curves(model, tokens, extra_hooks=other, checkpoint=tmp_path / "abl.csv", **kw)
+    fa.perplexity_curves(model, tokens, checkpoint=tmp_path / "plain.csv", **kw)
+    with pytest.raises(ValueError, match=r"model: stored .*, now .* extra_hooks"):
+        fa.perplexity_curves(model, tokens, extra_hooks=abl, checkpoint=tmp_path / "plain.csv", **kw)
+    again = fa.perplexity_curves(
+        model,
+        tokens,
+        extra_hooks=head_ablation_hooks(model, [(0, 1), (1, 2)]),
+        checkpoint=tmp_path / "abl.csv",
+        **kw,
+    )
+    pd.testing.assert_frame_equal(again, frame)
+    label = fa._settings(model, [0, 1], "intra", 0, abl)["model"]
+    assert "0x" not in label and "replace_z_hook" in label
+    means = torch.zeros(model.cfg.n_layers, model.cfg.n_heads, model.cfg.d_head)
+    mean_a = fa._settings(
+        model, [0, 1], "intra", 0, head_ablation_hooks(model, [(0, 1)], mode="mean", means=means)
+    )
+    mean_b = fa._settings(
+        model, [0, 1], "intra", 0, head_ablation_hooks(model, [(0, 1)], mode="mean", means=means + 1e-3)
+    )
+    assert mean_a != mean_b  # tensors enter by content, not by a rounded print
+
+
+# --------------------------------------------------------------------------- judging the metrics
+
+
+def _curves(means: dict[str, dict[str, float]], rates=(0.3, 0.6)) -> pd.DataFrame:
+    """A ΔPPL table: per mode and metric, ``delta_ppl = mean - 1`` at the first rate > 0 and ``mean + 1`` at the
+    second (so the mean over rates > 0 is ``mean``), and 0 at rate 0."""
+    rows = []
+    for mode, by_metric in means.items():
+        for metric, v in by_metric.items():
+            rows.append({"mode": mode, "metric": metric, "rate": 0.0, "delta_ppl": 0.0, "clean_ppl": 7.5})
+            for r, d in zip(rates, (-1.0, 1.0), strict=True):
+                rows.append({"mode": mode, "metric": metric, "rate": r, "delta_ppl": v + d, "clean_ppl": 7.5})
+    return pd.DataFrame(rows)
+
+
+@pytest.mark.parametrize(
+    ("comp", "suff", "verdicts", "ties"),
+    [
+        ((1, 2, 3, 4), (4, 3, 2, 1), ("holds", "holds"), ([], [])),
+        (
+            (1, 2, 2, 4),
+            (4, 3, 3, 1),
+            ("holds up to ties", "holds up to ties"),
+            ([["value_weighted", "value_weighted_normalized"]],) * 2,
+        ),
+        ((4, 2, 3, 1), (4, 3, 2, 1), ("does not hold", "holds"), ([], [])),
+        (
+            (1, 1, 1, 1),
+            (1, 2, 2, 2),
+            ("holds up to ties", "does not hold"),
+            (
+                [
+                    ["attention", "value_weighted"],
+                    ["value_weighted", "value_weighted_normalized"],
+                    ["value_weighted_normalized", "contribution"],
+                ],
+                [
+                    ["value_weighted", "value_weighted_normalized"],
+                    ["value_weighted_normalized", "contribution"],
+                ],
+            ),
+        ),
+    ],
+)
+def test_faithfulness_summary_verdicts(comp, suff, verdicts, ties) -> None:
+    claimed = list(GEO_METRICS)
+    comp_means = {**dict(zip(claimed, comp, strict=True)), "random": 0.5}
+    suff_means = {**dict(zip(claimed, suff, strict=True)), "random": 9.0}
+    frame = _curves({"comprehensiveness": comp_means, "sufficiency": suff_means})
+    out = fa.faithfulness_summary(frame)
+    assert out["clean_ppl"] == 7.5 and out["rates"] == [0.0, 0.3, 0.6] and out["claimed"] == claimed
+    json.dumps(out)  # plain JSON
+    for (mode, means), verdict, tied in zip(
+        (("comprehensiveness", comp_means), ("sufficiency", suff_means)), verdicts, ties, strict=True
+    ):
+        got = out["modes"][mode]
+        higher = mode == "comprehensiveness"
+        assert got["higher_is_more_faithful"] is higher
+        assert got["verdict"] == verdict and got["ties"] == tied
+        # the ranking by hand: mean over the rates > 0, most faithful first
+        assert dict(got["ranking"]) == pytest.approx(means) and len(got["ranking"]) == len(means)
+        vals = [v for _, v in got["ranking"]]
+        assert vals == sorted(vals, reverse=higher)
+        if len(set(means.values())) == len(means):  # no ties: one order
+            by_hand = sorted(means, key=lambda m: -means[m] if higher else means[m])
+            assert [m for m, _ in got["ranking"]] == by_hand
+
+
+def test_faithfulness_summary_missing_metric_and_mode() -> None:
+    frame = _curves({"comprehensiveness": {"attention": 1.0, "contribution": 2.0}})
+    out = fa.faithfulness_summary(frame)
+    assert list(out["modes"]) == ["comprehensiveness"]  # no sufficiency rows: no entry
+    assert out["modes"]["comprehensiveness"]["verdict"] == "does not hold"  # two claimed metrics are missing
+    got = fa.faithfulness_summary(frame, claimed=["attention", "contribution"])["modes"]["comprehensiveness"]
+    assert got["verdict"] == "holds" and got["ranking"] == [["contribution", 2.0], ["attention", 1.0]]
+
+
+def test_area_ordering_is_the_trapezoid_area() -> None:
+    rates = (0.0, 0.2, 0.5, 1.0)
+    curves = {"attention": (0, 1, 3, 4), "contribution": (0, 2, 2, 9), "random": (0, 0.1, 0.2, 0.3)}
+    rows = [
+        {"mode": mode, "metric": m, "rate": r, "delta_ppl": y * (1 if mode == "comprehensiveness" else 0.5)}
+        for mode in fa.MODES
+        for m, ys in curves.items()
+        for r, y in reversed(list(zip(rates, ys, strict=True)))  # unsorted on purpose
+    ]
+    out = fa.area_ordering(pd.DataFrame(rows))
+    for mode, scale in (("comprehensiveness", 1.0), ("sufficiency", 0.5)):
+        want = {
+            m: sum((rates[k + 1] - rates[k]) * (ys[k] + ys[k + 1]) / 2 * scale for k in range(3))
+            for m, ys in curves.items()
+        }
+        assert out[mode]["area"] == pytest.approx(want)
+        order = sorted(want, key=want.get, reverse=mode == "sufficiency")  # least faithful first
+        assert out[mode]["least_to_most_faithful"] == order
+        assert out[mode]["random_rank"] == order.index("random")
+    assert out["comprehensiveness"]["agrees_with_paper_order"]  # attention (1.85) < contribution (4.1)
+    assert not out["sufficiency"]["agrees_with_paper_order"]
+
+
 # --------------------------------------------------------------------------- errors and plots
 
 
@@ -420,7 +587,7 @@ def test_bad_input_is_refused_clearly() -> None:
     with pytest.raises(ValueError, match="batch_size"):
         run(batch_size=0)
     with pytest.raises(ValueError, match=r"\.csv or \.parquet"):
-        run(out="table.txt")
+        run(checkpoint="table.txt")
     with pytest.raises(IndexError, match="out of range"):
         run(layers=[5])
     with pytest.raises(ValueError, match="no items"):

@@ -14,7 +14,7 @@ import pytest
 import mechgeom
 
 PKG = Path(mechgeom.__file__).parent
-BELOW_HOOKS = {"typing", "_io", "_progress", "sweep", "models", "data"}
+BELOW_HOOKS = {"typing", "_io", "_progress", "sweep", "models", "data", "maths"}
 PRESENTATION = ("mechgeom.viz", "mechgeom.report", "mechgeom.cli")
 
 
@@ -127,3 +127,56 @@ def test_no_import_cycle_between_mechgeom_modules() -> None:
 def test_the_checker_catches_each_kind_of_violation(name: str, source: str, needle: str) -> None:
     found = violations(name, imports_of(source))
     assert any(needle in v for v in found), found
+
+
+MAX_LINES = 600
+#: What a presentation module may not import: the report and the run verbs compose analyses' results and
+#: draw figures; the numbers come from the analyses.
+NUMERIC = ("numpy", "einops", "scipy", "torch.nn")
+
+
+def test_no_library_file_is_over_600_lines() -> None:
+    long = {
+        str(p.relative_to(PKG)): n
+        for p in sorted(PKG.rglob("*.py"))
+        if (n := len(p.read_text(encoding="utf-8").splitlines())) > MAX_LINES
+    }
+    assert not long, f"files over {MAX_LINES} lines: {long}"
+
+
+def test_the_report_imports_no_numeric_library() -> None:
+    mods = module_imports()
+    bad = {
+        name: sorted(m for m in imported if m.split(".")[0] in NUMERIC or m.startswith(NUMERIC))
+        for name, imported in mods.items()
+        if name.startswith("mechgeom.report")
+    }
+    assert not {k: v for k, v in bad.items() if v}, bad
+
+
+def test_the_top_level_exports_every_hook_factory_and_entry_point() -> None:
+    from mechgeom.hooks import interventions
+
+    factories = {n for n in interventions.__all__ if n.endswith(("_hook", "_hooks"))}
+    entry_points = {
+        "contribution_weights",
+        "contribution_weights_from_cache",
+        "contribution_overview",
+        "perplexity_curves",
+        "task_accuracy_curves",
+        "sink_statistics",
+        "sink_statistics_from_cache",
+        "sink_ablation",
+        "convexity_check",
+        "token_selection",
+        "token_selection_from_cache",
+        "classify_heads",
+        "classify_heads_from_cache",
+        "head_stats",
+        "head_stats_from_cache",
+        "single_head_sweep",
+        "retention_curves",
+    }
+    missing = sorted((factories | entry_points) - set(mechgeom.__all__))
+    assert not missing, missing
+    assert all(callable(getattr(mechgeom, n)) for n in factories | entry_points)

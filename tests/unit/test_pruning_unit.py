@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import importlib
 import itertools
+import json
 import math
 import statistics
 
@@ -33,6 +35,7 @@ from mechgeom.analyses.pruning import (
     taxonomy_order,
     weight_magnitude,
 )
+from mechgeom.analyses.taxonomy import classify_heads
 from mechgeom.data import TaskItem
 from mechgeom.hooks import has_hooks
 from mechgeom.viz import plot_retention
@@ -164,7 +167,10 @@ def test_no_hooks_left_after_exception(monkeypatch):
     def bad_entropy(pattern):
         raise RuntimeError("entropy failed")
 
-    monkeypatch.setattr(pruning, "pattern_entropy", bad_entropy)
+    # head_stats lives in mechgeom.analyses.head_stats (re-exported by pruning): patch it where it is called
+    monkeypatch.setattr(
+        importlib.import_module("mechgeom.analyses.head_stats"), "pattern_entropy", bad_entropy
+    )
     with pytest.raises(RuntimeError, match="entropy failed"):
         head_stats(model, toks)
     assert not has_hooks(model)
@@ -463,7 +469,7 @@ def test_retention_curve_matches_direct_perplexity(tmp_path, monkeypatch):
     monkeypatch.setattr(pruning, "retention_curve", lambda *a, **k: pytest.fail("finished order recomputed"))
     again = retention_curves(model, orders, corpora, levels=(1.0, 0.5), checkpoint=ckpt)
     pd.testing.assert_frame_equal(again.to_frame(), first.to_frame(), check_dtype=False)
-    summary = first.summary()
+    summary = first.summary_frame()  # the table that summary() returned before it became a dict
     assert len(summary) == 4 and summary["mean_delta_ppl"].notna().all()
     fig = plot_retention(first.to_frame(), tmp_path / "fig.png")
     assert (tmp_path / "fig.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -509,36 +515,211 @@ def test_plot_retention_draws_the_frame(tmp_path, monkeypatch):
             np.testing.assert_allclose(line.get_ydata(), want[column].to_numpy())
 
 
-# --------------------------------------------------------------------------- downstream scoring
+# --------------------------------------------------------------------------- head statistics: one pass, taxonomy included
 
 
-def test_score_choices_equals_unbatched_bruteforce():
-    model = make_tiny(n_layers=2, seed=6, d_vocab=50)
-    g = torch.Generator().manual_seed(0)
+@pytest.mark.parametrize("n_kv", [None, 2])
+def test_head_stats_taxonomy_equals_classify_heads(n_kv):
+    """The labels head_stats collects in its own passes are classify_heads' table, and the orders use them."""
+    model = make_tiny(n_kv=n_kv, seed=4)
+    toks = random_tokens(3, 9, seed=6)
+    stats = head_stats(model, toks, batch_size=2)
+    assert stats.taxonomy is not None
+    want = classify_heads(model, toks).to_frame()
+    pd.testing.assert_frame_equal(stats.taxonomy.to_frame(), want)
+    assert want["f_cur"].nunique() > 1 and want["f_sink"].nunique() > 1  # a table with varied entries
+    two = head_stats(model, toks, sink_positions=(0, 1))
+    pd.testing.assert_frame_equal(
+        two.taxonomy.to_frame(), classify_heads(model, toks, sink_positions=(0, 1)).to_frame()
+    )
+    plain = head_stats(model, toks, taxonomy=False)
+    assert plain.taxonomy is None
+    for name in ("z_mean", "out_norm", "entropy"):  # the taxonomy readers change none of the statistics
+        torch.testing.assert_close(getattr(plain, name), getattr(stats, name), atol=1e-6, rtol=1e-6)
+    orders = pruning.head_orders(model, stats)
+    assert orders["taxonomy"] == taxonomy_order(want, stats.out_norm)
+    assert "taxonomy" not in pruning.head_orders(model, plain)
+    counts = stats.summary()["taxonomy_counts"]
+    assert counts == {str(k): int(v) for k, v in want["label"].value_counts().items()}
+    assert sum(counts.values()) == 8
+    with pytest.raises(ValueError, match="query after the sink"):
+        head_stats(model, random_tokens(2, 1), taxonomy=True)
+    assert head_stats(model, random_tokens(2, 1), taxonomy=False).n_positions == 2
 
-    def ids(n):
-        return torch.randint(0, 50, (n,), generator=g).tolist()
 
-    encoded = [
-        (ids(5), [ids(2), ids(4)]),
-        (ids(9), [ids(1), ids(3)]),
-        (ids(3), [ids(6), ids(2)]),
-        (ids(7), [ids(1), ids(1)]),  # single-token choices: scored from one forward of the prompt
-        (ids(4), [ids(1), ids(1)]),
+def test_head_stats_from_cache_and_extra_hooks():
+    model = make_tiny(n_kv=2, seed=8)
+    toks = random_tokens(2, 7, seed=2)
+    with torch.no_grad():
+        _, cache = model.run_with_cache(toks)
+    a, b = head_stats(model, toks), pruning.head_stats_from_cache(model, cache)
+    for name in ("z_mean", "out_norm", "entropy"):
+        torch.testing.assert_close(getattr(a, name), getattr(b, name), atol=1e-6, rtol=1e-6)
+    assert a.n_positions == b.n_positions == 14
+    pd.testing.assert_frame_equal(a.taxonomy.to_frame(), b.taxonomy.to_frame())
+    # extra hooks run before the readers: a removed head has zero mean z and zero output norm, marked modified
+    removed = head_stats(model, toks, extra_hooks=head_ablation_hooks(model, [(0, 1)]))
+    assert (removed.z_mean[0, 1] == 0).all() and removed.out_norm[0, 1] == 0
+    assert removed.out_norm[0, 0] == pytest.approx(a.out_norm[0, 0].item(), rel=1e-6)
+    assert removed.taxonomy.modified_heads == [(0, 1)]
+    assert not has_hooks(model)
+
+
+def test_head_table_columns_and_values():
+    model = make_tiny(seed=3)
+    toks = random_tokens(2, 6, seed=1)
+    stats = head_stats(model, toks)
+    sweep = single_head_sweep(model, toks)
+    table = pruning.head_table(model, stats, sweep)
+    assert list(table.columns) == [
+        "layer",
+        "head",
+        "out_norm",
+        "entropy",
+        "weight_magnitude",
+        "delta_ppl",
+        "label",
     ]
-    scores = score_choices(model, encoded, batch_size=4)  # padding inside batches
-    hooks = head_ablation_hooks(model, [(1, 1)])
-    scores_ablated = score_choices(model, encoded, hooks, batch_size=3)
-    for fwd, got in (([], scores), (hooks, scores_ablated)):
-        for i, (prompt, choices) in enumerate(encoded):
-            for c, choice in enumerate(choices):
-                seq = torch.tensor([prompt + choice])
-                with torch.no_grad(), model.hooks(fwd_hooks=fwd):
-                    logp = torch.log_softmax(model(seq)[0].double(), dim=-1)
-                ref = sum(float(logp[len(prompt) - 1 + t, tok]) for t, tok in enumerate(choice))
-                assert got[i, c].item() == pytest.approx(ref, rel=1e-6, abs=1e-6)
-    assert not torch.allclose(scores, scores_ablated)
-    items = [TaskItem("t", "p", ("a", "b"), answer=int(a)) for a in scores.argmax(1).tolist()]
-    assert task_accuracy(model, items, encoded=encoded) == 1.0
-    flipped = [TaskItem("t", "p", ("a", "b"), answer=1 - it.answer) for it in items]
-    assert task_accuracy(model, flipped, encoded=encoded) == 0.0
+    labels = stats.taxonomy.to_frame().set_index(["layer", "head"])["label"]
+    mags = weight_magnitude(model)
+    for r in table.itertuples():
+        assert r.weight_magnitude == pytest.approx(mags[r.layer, r.head].item())
+        assert r.delta_ppl == pytest.approx(sweep.delta_ppl[r.layer, r.head].item())
+        assert r.out_norm == pytest.approx(stats.out_norm[r.layer, r.head].item())
+        assert r.label == labels[(r.layer, r.head)]
+    bare = pruning.head_table(model, head_stats(model, toks, taxonomy=False))
+    assert list(bare.columns) == ["layer", "head", "out_norm", "entropy", "weight_magnitude"]
+
+
+def test_moved_names_are_re_exported():
+    import mechgeom.analyses.evaluation as evaluation
+    import mechgeom.analyses.head_orders as head_orders
+    import mechgeom.hooks as hooks
+
+    stats_mod = importlib.import_module("mechgeom.analyses.head_stats")
+    assert pruning.score_choices is score_choices is evaluation.score_choices
+    assert pruning.task_accuracy is task_accuracy is evaluation.task_accuracy
+    assert pruning.head_stats is head_stats is stats_mod.head_stats
+    assert pruning.mad_outliers is mad_outliers is head_orders.mad_outliers
+    assert pruning.retention_levels is retention_levels is head_orders.retention_levels
+    assert pruning.AblationMode is hooks.HeadAblationMode
+    assert {"HeadStats", "head_orders", "taxonomy_order", "weight_magnitude", "RETENTION_LEVELS"} <= set(
+        pruning.__all__
+    )
+
+
+# --------------------------------------------------------------------------- summaries
+
+
+def test_single_head_summary_against_statistics_module():
+    clean = torch.tensor([1.0, 1.2])
+    nll = torch.tensor([[[1.01, 1.21], [1.02, 1.22]], [[3.0, 3.5], [1.0, 1.21]], [[1.03, 1.19], [1.02, 1.2]]])
+    res = SingleHeadResult(clean_nll=clean, nll=nll)
+    s = res.summary(k=5)
+    clean_ppl = math.exp(1.1)
+    deltas = {
+        (la, h): math.exp(float(nll[la, h].double().mean())) - clean_ppl for la in range(3) for h in range(2)
+    }
+    med = statistics.median(deltas.values())
+    mad = 1.4826 * statistics.median(abs(v - med) for v in deltas.values())
+    assert s["clean_ppl"] == pytest.approx(clean_ppl, rel=1e-6)
+    assert s["median_delta_ppl"] == pytest.approx(med, rel=1e-4, abs=1e-6)
+    assert s["mad_scaled"] == pytest.approx(mad, rel=1e-3, abs=1e-6)
+    assert s["threshold"] == pytest.approx(med + 5 * mad, rel=1e-3, abs=1e-6)
+    ranked = sorted(deltas, key=lambda lh: (-deltas[lh], lh))
+    assert [s["top"]["layer"], s["top"]["head"]] == list(ranked[0]) == [1, 0]
+    assert s["top"]["delta_ppl"] == pytest.approx(deltas[(1, 0)], rel=1e-5)
+    assert s["worst_head"] == [1, 0] and s["worst_delta_ppl"] == s["top"]["delta_ppl"]
+    assert s["top"]["ratio_to_median"] == pytest.approx(deltas[(1, 0)] / med, rel=1e-3)
+    assert [(r["layer"], r["head"]) for r in s["top5"]] == ranked[:5]
+    assert s["critical"] == [[la, h] for la, h in ranked if deltas[(la, h)] > med + 5 * mad] == [[1, 0]]
+    assert s["n_critical"] == 1 and s["k"] == 5.0 and s["n_heads"] == 6 and s["mode"] == "zero"
+    assert json.loads(json.dumps(s)) == s  # plain JSON types
+    assert res.summary(k=1e6)["critical"] == []
+
+
+def test_retention_summary_comparison_and_taxonomy_wins(monkeypatch):
+    import mechgeom.analyses.evaluation as evaluation
+
+    model = make_tiny(n_layers=2, seed=5)
+    monkeypatch.setattr(evaluation, "_encode", lambda _m, text, *, prepend_bos: [ord(c) % 50 for c in text])
+    items = [
+        TaskItem("t", "abc def", (" x", " yz"), 0),
+        TaskItem("t", "ghij", (" q", " rs"), 1),
+        TaskItem("t", "klm no p", (" u", " v"), 1),
+    ]
+    corpora = {"a": random_tokens(2, 10, seed=1), "b": random_tokens(2, 8, seed=2)}
+    stats = head_stats(model, corpora["a"])
+    orders = pruning.head_orders(model, stats, seed=1)
+    curves = retention_curves(model, orders, corpora, levels=(1.0, 0.75, 0.5, 0.25), task=("t", items))
+    frame = curves.to_frame()
+    s = curves.summary()
+    assert s["orders"] == list(orders) == ["taxonomy", "magnitude", "entropy", "random"]
+    assert s["levels"] == [1.0, 0.75, 0.5, 0.25] and s["n_heads"] == 8 and s["mode"] == "zero"
+    for order in orders:
+        vals = [
+            r.delta_ppl
+            for r in frame.itertuples()
+            if r.order == order and r.retention < 1 and r.corpus != "t"
+        ]
+        assert len(vals) == 6
+        assert s["mean_delta_ppl"][order] == pytest.approx(sum(vals) / len(vals))
+        for corpus in ("a", "b", "t"):
+            col = "accuracy" if corpus == "t" else "delta_ppl"
+            sub = [
+                getattr(r, col)
+                for r in frame.itertuples()
+                if (r.order, r.corpus) == (order, corpus) and r.retention < 1
+            ]
+            assert s["by_corpus"][corpus][order] == pytest.approx(sum(sub) / len(sub))
+    comp = curves.comparison()
+    assert len(comp) == 3 * 3
+    for r in comp.to_dict("records"):
+        metric = "accuracy" if r["corpus"] == "t" else "ppl"
+        assert r["metric"] == metric
+        got = {
+            o: float(
+                frame[
+                    (frame.order == o) & (frame.corpus == r["corpus"]) & (frame.retention == r["retention"])
+                ][metric].iloc[0]
+            )
+            for o in orders
+        }
+        assert {o: r[o] for o in orders} == pytest.approx(got)
+        best = None
+        for o in orders:  # the first order wins ties
+            if best is None or (got[o] > got[best] if metric == "accuracy" else got[o] < got[best]):
+                best = o
+        assert r["best"] == best
+    wins = s["taxonomy_wins"]
+    assert set(wins) == {"a", "b", "t"} and set(wins["a"]) == {"magnitude", "entropy", "random"}
+    for corpus, per in wins.items():
+        sub = comp[comp.corpus == corpus]
+        for base, w in per.items():
+            if corpus == "t":
+                want = [
+                    float(r) for r, x, y in zip(sub.retention, sub.taxonomy, sub[base], strict=True) if x > y
+                ]
+            else:
+                want = [
+                    float(r) for r, x, y in zip(sub.retention, sub.taxonomy, sub[base], strict=True) if x < y
+                ]
+            assert w == {"taxonomy_better_at": want, "n_levels": 3}
+    assert json.loads(json.dumps(s)) == s
+    no_tax = pruning.RetentionCurves(frame=frame[frame.order != "taxonomy"], n_heads=8)
+    assert no_tax.summary()["taxonomy_wins"] == {}
+    assert pruning.RetentionCurves(frame=pd.DataFrame(), n_heads=8).summary()["orders"] == []
+
+
+def test_sweep_exactness_measures_the_gap():
+    model = make_tiny(n_layers=3, n_kv=2, seed=2)
+    toks = random_tokens(2, 8, seed=4)
+    sweep = single_head_sweep(model, toks)
+    check = pruning.sweep_exactness(model, toks, sweep)
+    assert check["heads"] == [[0, 0], [1, 1], [2, 3]]
+    assert check["max_abs_nll_gap"] < 1e-5
+    assert pruning.sweep_exactness(model, toks, sweep, 0) == {"heads": [], "max_abs_nll_gap": None}
+    tampered = SingleHeadResult(clean_nll=sweep.clean_nll, nll=sweep.nll.clone())
+    tampered.nll[1, 2, 1] += 0.5
+    gap = pruning.sweep_exactness(model, toks, tampered, [(1, 2), (0, 0)])["max_abs_nll_gap"]
+    assert gap == pytest.approx(0.5, abs=1e-5)

@@ -737,3 +737,194 @@ def test_bound_and_certificate_never_exceed_exact_f_near_ties(
                 # informative: the bound loses only comparisons within slack * R² of a tie
                 ref = reference_beta(row, {0}, params, 0, top, cands, slack=slack)
                 assert bound >= ref - 1e-6, (dtype, i, n, bound, ref)
+
+
+# --------------------------------------------------------------------------- layout, collector, summaries, figures
+
+
+def test_split_modules_reexport_and_collector_signature() -> None:
+    """The moved names are the same objects from every import path; ``result(tokens=None)``."""
+    import mechgeom
+    from mechgeom.analyses import selection, selection_bounds, selection_geometry
+
+    for mod in (selection_geometry, selection_bounds):
+        for name in mod.__all__:
+            assert getattr(selection, name) is getattr(mod, name), name
+            assert name in selection.__all__, name
+    assert mechgeom.SelectionCollector is selection.SelectionCollector
+    model = make_tiny(n_layers=2)
+    tokens = random_tokens(2, 8)
+    col = selection.SelectionCollector(model, [1], ns=[1, 2], n_random=1)
+    _, cache = model.run_with_cache(tokens)
+    col.feed_cache(cache)
+    without, with_tokens = col.result(), col.result(tokens=tokens)
+    assert without.tokens is None and with_tokens.tokens is not None
+    assert torch.equal(with_tokens.tokens, tokens)
+    assert torch.equal(
+        without.per_query["f_top"].nan_to_num(-1), with_tokens.per_query["f_top"].nan_to_num(-1)
+    )
+
+
+def _nanmean(values: list[float]) -> float:
+    kept = [float(v) for v in values if not math.isnan(float(v))]
+    return sum(kept) / len(kept) if kept else math.nan
+
+
+def _plain(obj: object) -> bool:
+    """Only the types ``json`` writes as they are: dicts with str keys, lists, str, int, float, bool, None."""
+    if isinstance(obj, dict):
+        return all(isinstance(k, str) and _plain(v) for k, v in obj.items())
+    if isinstance(obj, list):
+        return all(_plain(v) for v in obj)
+    return obj is None or type(obj) in (str, int, float, bool)
+
+
+def _same(a: float, b: float) -> bool:
+    return (math.isnan(a) and math.isnan(b)) or a == pytest.approx(b, rel=1e-6, abs=1e-9)
+
+
+def test_summary_matches_bruteforce_from_frames_and_tensors() -> None:
+    import json
+    import statistics
+
+    model = make_tiny(n_layers=2)
+    tokens = random_tokens(3, 10)
+    ns = [1, 2, 4, 8]
+    res = token_selection(model, tokens, ns=ns, n_random=2, seed=3)
+    s = res.summary(small_n=2)
+    json.dumps(s)
+    assert _plain(s)
+    rows = res.to_frame().to_dict(orient="records")
+    prows = res.params_frame().to_dict(orient="records")
+    assert (s["n_layers"], s["n_heads"], s["ns"], s["n_texts"]) == (2, 4, ns, 3)
+    assert (s["queries_per_text"], s["n_queries"], s["windows"]) == (10, 30, [3, 10])
+    assert (s["n_random"], s["projected"], s["sink_positions"], s["small_n"]) == (2, False, [0], 2)
+    for k in ("f_top", "f_random", "f_gap"):
+        assert _same(s[k], _nanmean([r[k] for r in rows if r["N"] <= 2])), k
+    both = [r for r in rows if not math.isnan(r["f_top_sink_in"]) and not math.isnan(r["f_nosink_sink_in"])]
+    assert both
+    for k in ("f_top_sink_in", "f_nosink_sink_in"):
+        assert _same(s[k], sum(r[k] for r in both) / len(both)), k
+    assert s["cert_violations"] == sum(r["cert_violations"] for r in rows) == 0
+    assert s["bound_violations"] == sum(r["bound_violations"] for r in rows) == 0
+    assert s["regime_share"] == pytest.approx(sum(bool(p["regime"]) for p in prows) / len(prows))
+    # largest gaps: per-N mean of f_gap over heads (first maximum), and the row with the largest f_gap
+    gaps = {n: _nanmean([r["f_gap"] for r in rows if r["N"] == n]) for n in ns}
+    best = max(ns, key=lambda n: (gaps[n], -ns.index(n)))
+    lg = s["largest_mean_gap"]
+    assert lg["N"] == best and _same(lg["gap"], gaps[best])
+    assert _same(lg["f_top"], _nanmean([r["f_top"] for r in rows if r["N"] == best]))
+    assert _same(lg["f_random"], _nanmean([r["f_random"] for r in rows if r["N"] == best]))
+    top = max(range(len(rows)), key=lambda i: (rows[i]["f_gap"], -i))
+    assert s["largest_head_gap"] == pytest.approx(
+        {k: rows[top][k] for k in ("layer", "head", "N", "f_top", "f_random", "f_gap")}
+    )
+    viol = s["violations"]
+    assert viol["bound_ideal"] == sum(r["ideal_violations"] for r in rows)
+    assert viol["bound_ideal_share_of_queries"] == pytest.approx(
+        viol["bound_ideal"] / sum(r["n_queries"] for r in rows)
+    )
+    for k in ("sink_small", "sink_opposed", "near_constant", "regime"):
+        assert s["regime_flags_share_of_heads"][k] == pytest.approx(
+            sum(bool(p[k]) for p in prows) / len(prows)
+        )
+    for k in ("nu", "rho", "kappa", "kappa_mean", "mu", "mu_mean"):
+        assert s["bound_params_median"][k] == pytest.approx(statistics.median(p[k] for p in prows), rel=1e-6)
+    # sink effect: loops over every (text, layer, head, query) entry of the tensors
+    pq = res.per_query
+    for t, rec in enumerate(s["sink_effect"]):
+        pairs, n_def = [], 0
+        for idx in torch.cartesian_prod(*(torch.arange(d) for d in pq["f_top"].shape[:4])).tolist():
+            f, f_ns = pq["f_top"][(*idx, t)].item(), pq["f_nosink"][(*idx, t)].item()
+            n_def += not math.isnan(f)
+            if pq["sink_in_top"][(*idx, t)].item() > 0.5 and not math.isnan(f) and not math.isnan(f_ns):
+                pairs.append((f, f_ns))
+        assert rec["N"] == ns[t] and rec["n_pairs"] == len(pairs)
+        assert _same(rec["share_sink_in_top"], len(pairs) / n_def)
+        if pairs:
+            with_s, without = sum(a for a, _ in pairs) / len(pairs), sum(b for _, b in pairs) / len(pairs)
+            assert _same(rec["f_with_sink"], with_s) and _same(rec["f_without_sink"], without)
+            assert _same(rec["ratio_of_means"], with_s / without)
+            assert _same(rec["share_halved"], sum(a <= 0.5 * b for a, b in pairs) / len(pairs))
+            assert _same(rec["share_lower"], sum(a < b for a, b in pairs) / len(pairs))
+    # bound vs measured: query-weighted means per scope and N
+    regime = {(p["layer"], p["head"]) for p in prows if p["regime"]}
+    got = {(r["scope"], r["N"]): r for r in s["bound_by_n"]}
+    for scope, keep in (
+        ("all heads", lambda r: True),
+        ("regime heads", lambda r: (r["layer"], r["head"]) in regime),
+    ):
+        for n in ns:
+            part = [r for r in rows if r["N"] == n and keep(r)]
+            if not part:
+                assert (scope, n) not in got
+                continue
+            rec, w = got[(scope, n)], sum(r["n_queries"] for r in part)
+            assert (rec["n_heads"], rec["n_queries"]) == (len(part), w)
+            assert rec["bound_violations"] == sum(r["bound_violations"] for r in part)
+            assert rec["ideal_violations"] == sum(r["ideal_violations"] for r in part)
+            for col, src in (("measured", "f_top"), ("bound", "bound"), ("bound_ideal", "bound_ideal")):
+                want = sum(r[src] * r["n_queries"] for r in part) / w if w else math.nan
+                assert _same(rec[col], want), (scope, n, col)
+    # the tables behind the summary are the result's frames
+    by_n = res.by_n_frame().set_index("N")
+    for n in ns:
+        for k in ("f_top", "f_random", "f_gap", "certificate", "bound"):
+            assert _same(by_n.loc[n, k], _nanmean([r[k] for r in rows if r["N"] == n])), (n, k)
+        assert by_n.loc[n, "ideal_violations"] == sum(r["ideal_violations"] for r in rows if r["N"] == n)
+    assert res.sink_effect_frame().to_dict(orient="records") == s["sink_effect"]
+    assert res.bound_frame().to_dict(orient="records") == s["bound_by_n"]
+
+
+def test_summary_without_baseline_or_bound() -> None:
+    model = make_tiny(n_layers=1)
+    res = token_selection(model, random_tokens(1, 6), ns=[1, 2], n_random=0, bound=False)
+    s = res.summary()
+    assert math.isnan(s["f_random"]) and math.isnan(s["f_gap"]) and math.isnan(s["regime_share"])
+    assert s["largest_mean_gap"] is None and s["largest_head_gap"] is None
+    assert s["regime_flags_share_of_heads"] == {} and s["bound_params_median"] == {} and s["bound_by_n"] == []
+    assert s["bound_violations"] == 0 and s["f_top"] == pytest.approx(
+        _nanmean(res.to_frame()["f_top"].tolist())
+    )
+
+
+def _selection_frames() -> tuple:  # type: ignore[type-arg]
+    res = token_selection(make_tiny(n_layers=2), random_tokens(2, 10), ns=[1, 2, 4], n_random=1)
+    return res.to_frame(), res.params_frame(), res.by_n_frame()
+
+
+def test_selection_figures_draw_the_frames_numbers() -> None:
+    import numpy as np
+    from matplotlib.figure import Figure
+
+    from mechgeom.viz.selection_figures import __all__ as fig_all
+    from mechgeom.viz.selection_figures import plot_selection_scores, plot_selection_vs_n
+
+    assert set(fig_all) == {"plot_selection_scores", "plot_selection_vs_n"}
+    df, params, by_n = _selection_frames()
+    fig = plot_selection_scores(df, params)
+    assert isinstance(fig, Figure) and len(fig.axes) == 2
+    ax1, ax2 = fig.axes
+    lines = {ln.get_label(): ln for ln in ax1.get_lines()}
+    assert list(lines) == ["top-N", "random N-subsets", "top-N, sink excluded", "sink-aware bound (fitted)"]
+    for label, col in (
+        ("top-N", "f_top"),
+        ("random N-subsets", "f_random"),
+        ("sink-aware bound (fitted)", "bound"),
+    ):
+        for n, y in zip(lines[label].get_xdata(), lines[label].get_ydata(), strict=True):
+            assert y == pytest.approx(_nanmean(df.loc[n == df.N, col].tolist()), rel=1e-6)
+    pts = ax2.collections[0].get_offsets()
+    np.testing.assert_allclose(np.asarray(pts), df[["bound_ideal", "f_top"]].to_numpy(), rtol=1e-6)
+    fig2 = plot_selection_vs_n(by_n, df, "tiny")
+    assert isinstance(fig2, Figure) and fig2.axes[0].get_title() == "tiny"
+    lines2 = {ln.get_label(): ln for ln in fig2.axes[0].get_lines()}
+    assert len(lines2) == 5
+    for label, col in (
+        ("constant-norm prediction", "bound_ideal"),
+        ("sink-aware bound (guaranteed)", "bound"),
+    ):
+        np.testing.assert_allclose(lines2[label].get_ydata(), by_n[col].to_numpy(), rtol=1e-6)
+        np.testing.assert_array_equal(lines2[label].get_xdata(), by_n["N"].to_numpy())
+    with pytest.raises(ValueError, match="lacks"):
+        plot_selection_scores(df.drop(columns="bound"))

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import io
+import json
 import math
 
 import numpy as np
+import pandas as pd
 import pytest
 import torch
 from conftest import make_tiny, random_tokens
@@ -15,18 +17,25 @@ from hypothesis import strategies as st
 from mechgeom.analyses.contribution import LayerGeometry
 from mechgeom.analyses.evaluation import text_nll
 from mechgeom.analyses.sinks import (
+    ConvexityCurves,
+    SinkCollector,
     SinkResult,
     affected_heads,
     convex_minimiser,
     convex_norm,
     convexity_by_intervention,
+    convexity_check,
+    describe_values,
     kv_groups,
     random_control_positions,
     resolve_sinks,
     sink_ablation,
     sink_mass_hooks,
     sink_statistics,
+    sink_statistics_from_cache,
     sink_value_hooks,
+    spread_sink_heads,
+    top_sink_heads,
 )
 from mechgeom.hooks import LayerCollector, has_hooks, hook_name, run_hooks
 from mechgeom.viz import plot_cone_shift, plot_convexity_curves, plot_rate_vs_ratio, plot_sink_rate_vs_s_star
@@ -567,3 +576,228 @@ def test_plots_draw_the_results():
     np.testing.assert_allclose(sink.get_offsets(), np.c_[cone("clean"), cone("sink")], rtol=1e-6)
     assert not np.allclose(cone("sink"), cone("control"))
     _png_size(fig)
+
+
+# --------------------------------------------------------------------------- summaries, head choices, convexity check
+
+
+def _ref_quantile(values: list[float], p: float) -> float:
+    """Linear interpolation between the order statistics (numpy's default), written out."""
+    x = sorted(values)
+    h = (len(x) - 1) * p
+    lo = math.floor(h)
+    return x[lo] if lo + 1 >= len(x) else x[lo] + (h - lo) * (x[lo + 1] - x[lo])
+
+
+@pytest.mark.parametrize(
+    "values",
+    [[3.0, -1.0, float("nan"), 7.5, 0.25, 2.0], [5.0], [float("nan"), float("nan")], [], list(range(21))],
+)
+def test_describe_values_matches_order_statistics(values):
+    got = describe_values(values)
+    finite = [float(v) for v in values if not math.isnan(v)]
+    assert got["n"] == len(finite) and isinstance(got["n"], int)
+    for key, p in (("min", 0.0), ("p05", 0.05), ("median", 0.5), ("p95", 0.95), ("max", 1.0)):
+        assert isinstance(got[key], float)
+        if not finite:
+            assert math.isnan(got[key])
+        else:
+            assert got[key] == pytest.approx(_ref_quantile(finite, p), rel=1e-12, abs=1e-12)
+    assert describe_values(np.asarray(values, dtype=float)) == pytest.approx(got, nan_ok=True)
+
+
+def _head_rates(res: SinkResult) -> dict[tuple[int, int], float]:
+    """Mean sink rate of each (layer, head) over texts, by a loop."""
+    out = {}
+    for li, layer in enumerate(res.layers):
+        for h in range(res.n_heads):
+            vals = [float(x) for x in res.sink_rate[:, li, h] if not math.isnan(float(x))]
+            out[(layer, h)] = sum(vals) / len(vals)
+    return out
+
+
+def test_head_pickers_follow_the_sink_rate_order():
+    model = make_tiny(n_layers=3)
+    res = sink_statistics(model, random_tokens(3, 10))
+    rates = _head_rates(res)
+    deep = sorted((r, key) for key, r in rates.items() if key[0] >= 1)  # ascending rate
+    assert len({r for r, _ in deep}) == len(deep)  # no ties: the order is unambiguous
+    for k in (1, 3, 8):
+        want = [key for _, key in sorted(deep, reverse=True)[:k]]
+        assert top_sink_heads(res, k) == want
+    assert top_sink_heads(res, 2, min_layer=2) == [
+        key for _, key in sorted(((r, key) for key, r in rates.items() if key[0] == 2), reverse=True)[:2]
+    ]
+    for k in (2, 3, 5):
+        n = len(deep)
+        want = [deep[round((n - 1) * (k - 1 - t) / (k - 1))][1] for t in range(k)]
+        got = spread_sink_heads(res, k)
+        assert got == want
+        assert got[0] == deep[-1][1] and got[-1] == deep[0][1]  # the strongest first, the weakest last
+    assert spread_sink_heads(res) == spread_sink_heads(res, 3)
+    with pytest.raises(ValueError, match="no head in a layer >= 3"):
+        top_sink_heads(res, 2, min_layer=3)
+    with pytest.raises(ValueError, match="no head in a layer >= 1"):
+        spread_sink_heads(sink_statistics(model, random_tokens(2, 6), layers=[0]))
+
+
+def test_summary_matches_loops():
+    model = make_tiny(n_layers=3, n_kv=2)
+    res = sink_statistics(model, random_tokens(3, 10))
+    s = res.summary()
+    json.dumps(s)  # plain JSON types only
+    rates = _head_rates(res)
+    assert s["n_heads"] == len(rates) == 12 and s["n_texts"] == 3 and s["seq_len"] == 10
+    assert s["sink_positions"] == [0] and s["basis"] == res.basis
+    assert s["mean_sink_rate"] == pytest.approx(np.mean(list(rates.values())), rel=1e-6)
+    assert s["n_sink_heads"] == sum(r >= 0.5 for r in rates.values())
+
+    def per_head(t, li, h):  # mean over texts, NaN skipped
+        vals = [float(x) for x in t[:, li, h].flatten() if not math.isnan(float(x))]
+        return sum(vals) / len(vals) if vals else float("nan")
+
+    ratio = {
+        (la, h): per_head(res.norm_ratio_vt[..., 0], li, h)
+        for li, la in enumerate(res.layers)
+        for h in range(4)
+    }
+    cos_mean = {
+        (la, h): per_head(res.cos_sink_mean, li, h) for li, la in enumerate(res.layers) for h in range(4)
+    }
+    for name, keep in (
+        ("all_heads", lambda key: True),
+        ("sink_heads", lambda key: rates[key] >= 0.5),
+        ("layers_ge1", lambda key: key[0] >= 1),
+    ):
+        keys = [key for key in rates if keep(key)]
+        r = [ratio[key] for key in keys]
+        want = {"median": _ref_quantile(r, 0.5), "max": max(r), "n": len(r)} if r else {"n": 0}
+        for k, v in want.items():
+            assert s[f"norm_ratio_vt_{name}"][k] == pytest.approx(v, rel=1e-6)
+        if r:
+            assert s[f"share_ratio_vt_below_1_{name}"] == pytest.approx(np.mean([x < 1 for x in r]))
+            assert s[f"share_ratio_vt_in_0.1_0.33_{name}"] == pytest.approx(
+                np.mean([0.1 <= x <= 1 / 3 for x in r])
+            )
+            negative = np.mean([cos_mean[key] < 0 for key in keys])
+            assert s[f"share_cos_sink_mean_negative_{name}"] == pytest.approx(negative)
+    assert s["norm_ratio_vt_median"] == pytest.approx(float(np.median(list(ratio.values()))), rel=1e-6)
+    assert s["share_norm_ratio_vt_below_third"] == pytest.approx(np.mean([x < 1 / 3 for x in ratio.values()]))
+    assert s["mean_cos_sink_mean"] == pytest.approx(np.mean(list(cos_mean.values())), rel=1e-5)
+    st_ = res.s_star()
+    finite = torch.isfinite(st_)
+    assert s["interior_share_pooled"] == pytest.approx(
+        int(((st_ > 0) & (st_ < 1) & finite).sum()) / int(finite.sum()), rel=1e-12
+    )
+    shares, means, _ = res.factor_shares(pooled=True)
+    for g, gname in enumerate(("sink", "tail")):
+        assert s[f"factor_shares_{gname}_pooled"] == dict(
+            zip(("alpha", "ratio", "cos"), shares[g].tolist(), strict=True)
+        )
+        assert s[f"factor_mean_log_{gname}_pooled"] == dict(
+            zip(("alpha", "ratio", "cos"), means[g].tolist(), strict=True)
+        )
+    med = []
+    for li, layer in enumerate(res.layers):  # median s* of each head over texts and queries (lower middle)
+        for h in range(4):
+            vals = sorted(v for v in st_[:, li, h].flatten().tolist() if math.isfinite(v))
+            med.append((rates[(layer, h)], vals[(len(vals) - 1) // 2]))
+    want_corr = float(np.corrcoef(np.array(med).T)[0, 1])
+    assert s["corr_sink_rate_s_star_heads"] == pytest.approx(want_corr, rel=1e-6)
+
+
+def test_collector_keeps_tokens_and_reads_a_cache():
+    model = make_tiny(n_kv=2)
+    tokens = random_tokens(2, 9)
+    res = sink_statistics(model, tokens, sink_positions=[0, 2])  # one batch, as in the cache
+    assert torch.equal(res.tokens, tokens) and res.str_tokens is None  # no tokenizer on the tiny model
+    _, cache = model.run_with_cache(tokens)
+    again = sink_statistics_from_cache(model, cache, tokens=tokens, sink_positions=[0, 2])
+    assert torch.equal(again.tokens, tokens)
+    for name in ("sink_rate", "norm_ratio_vt", "cos_sink_mean", "sq_sink", "cross", "sq_mean", "factor_sums"):
+        torch.testing.assert_close(getattr(again, name), getattr(res, name), equal_nan=True)
+    partial_layers = sink_statistics_from_cache(model, cache, layers=[1])
+    assert partial_layers.layers == [1] and partial_layers.tokens is None
+    col = SinkCollector(model)
+    col.feed_cache(cache)
+    with pytest.raises(ValueError, match="not the texts collected"):
+        col.result(tokens[:1])
+    assert torch.equal(col.result(tokens).tokens, tokens)
+    # the ablation accepts token ids as a list (validated by to_tokens) like a tensor
+    ids = tokens[0].tolist()
+    a = sink_ablation(model, ids, layers=[1], mode="zero")
+    b = sink_ablation(model, tokens[:1], layers=[1], mode="zero")
+    torch.testing.assert_close(a.nll["sink"], b.nll["sink"])
+
+
+@pytest.mark.parametrize(("sinks", "n_kv"), [([0], None), ([0, 2], 2)])
+def test_convexity_check_matches_loop(sinks, n_kv):
+    model = make_tiny(n_kv=n_kv)
+    tokens = random_tokens(2, 10)
+    heads = [(1, 3), (0, 1)]
+    grid = [0.0, 0.25, 0.6, 1.0]
+    stats = sink_statistics(model, tokens, sink_positions=sinks)
+    check = convexity_check(model, tokens, heads, grid, stats=stats)
+    # the report's loop, written out
+    closed = stats.norm_curve(torch.tensor(grid, dtype=torch.float64))  # [n layer head q grid]
+    rows, measured = [], {}
+    for layer, head in heads:
+        norms = convexity_by_intervention(
+            model, tokens, grid, layer=layer, heads=[head], sink_positions=sinks
+        )
+        measured[(layer, head)] = (grid, norms[:, 0, head])
+        for g, s in enumerate(grid):
+            for b in range(tokens.shape[0]):
+                m_row, c_row = norms[g, b, head], closed[b, stats.layer_index(layer), head, :, g]
+                for q in torch.nonzero(torch.isfinite(m_row)).flatten().tolist():
+                    rows.append(
+                        {"layer": layer, "head": head, "s": s, "text": b, "query": q,
+                         "norm_measured": float(m_row[q]), "norm_closed_form": float(c_row[q])}
+                    )  # fmt: skip
+    want = pd.DataFrame(rows)
+    frame = check.to_frame()
+    assert list(frame.columns) == ["layer", "head", "s", "text", "query", "norm_measured", "norm_closed_form"]
+    pd.testing.assert_frame_equal(frame, want, check_exact=True)
+    assert len(frame) == 2 * len(grid) * 2 * (10 - max(sinks) - 1)
+    assert check.measured.keys() == measured.keys()
+    for key, (s_vals, norm) in measured.items():
+        assert list(check.measured[key][0]) == s_vals
+        torch.testing.assert_close(check.measured[key][1], norm, rtol=0, atol=0, equal_nan=True)
+    summary = check.summary()
+    err = [abs(r["norm_measured"] - r["norm_closed_form"]) for r in rows]
+    rel = [e / max(abs(r["norm_closed_form"]), 1e-12) for e, r in zip(err, rows, strict=True)]
+    assert summary == {
+        "heads": [[1, 3], [0, 1]],
+        "n_points": len(rows),
+        "max_rel_error": pytest.approx(max(rel), rel=1e-12),
+        "max_abs_error": pytest.approx(max(err), rel=1e-12),
+    }
+    assert summary["max_rel_error"] < 1e-4 and summary["max_abs_error"] < 1e-4
+    per_s = check.max_error_frame()
+    assert len(per_s) == len(heads) * len(grid)
+    for row in per_s.itertuples():
+        sel = [
+            e
+            for e, r in zip(err, rows, strict=True)
+            if (r["layer"], r["head"], r["s"]) == (row.layer, row.head, row.s)
+        ]
+        assert row.max_abs_err == pytest.approx(max(sel), rel=1e-12)
+    # without `stats`, the statistics of the needed layers are computed: the same check
+    alone = convexity_check(model, tokens, heads, grid, sink_positions=sinks)
+    assert isinstance(alone.stats, ConvexityCurves) and alone.stats.layers == [0, 1]
+    assert alone.stats.sink_positions == sinks and torch.equal(alone.stats.tokens, tokens)
+    for name in ("sink_mass", "sq_sink", "cross", "sq_mean", "modified"):  # the statistics' own tensors
+        torch.testing.assert_close(
+            getattr(alone.stats, name), getattr(stats, name), rtol=0, atol=0, equal_nan=True
+        )
+    pd.testing.assert_frame_equal(alone.to_frame(), frame)
+    with pytest.raises(ValueError, match="other tokens"):
+        convexity_check(model, tokens[:1], heads, grid, stats=stats)
+    with pytest.raises(ValueError, match="differ"):
+        convexity_check(model, tokens, heads, grid, stats=stats, sink_positions=[1])
+    with pytest.raises(ValueError, match="duplicate"):
+        convexity_check(model, tokens, [(0, 1), (0, 1)], grid, stats=stats)
+    with pytest.raises(IndexError, match="head"):
+        convexity_check(model, tokens, [(0, 4)], grid, stats=stats)
+    with pytest.raises(IndexError, match="not analysed"):
+        convexity_check(model, tokens, [(1, 0)], grid, stats=sink_statistics(model, tokens, layers=[0]))

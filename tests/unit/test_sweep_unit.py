@@ -270,17 +270,17 @@ def test_faithfulness_resumes_after_sigkill(tmp_path):
         from mechgeom.analyses import faithfulness as fa
         real = fa._masked_scores
         fa._masked_scores = lambda *a, **k: (time.sleep(0.25), real(*a, **k))[1]
-        fa.perplexity_curves(make_tiny(), random_tokens(5, 8, seed=2), out={str(tmp_path / "run.csv")!r}, **{kw!r})
+        fa.perplexity_curves(make_tiny(), random_tokens(5, 8, seed=2), checkpoint={str(tmp_path / "run.csv")!r}, **{kw!r})
     """
     record = tmp_path / "run.per_text.csv"
     _kill_when(script, record, lambda f: (f["metric"] != "clean").sum() >= 4)
     killed = pd.read_csv(record)
     assert not (tmp_path / "run.csv").exists()
     model, tokens = make_tiny(), random_tokens(5, 8, seed=2)
-    full = fa.perplexity_curves(model, tokens, out=tmp_path / "full.csv", **kw)
+    full = fa.perplexity_curves(model, tokens, checkpoint=tmp_path / "full.csv", **kw)
     full_record = pd.read_csv(tmp_path / "full.per_text.csv")
     assert len(killed) < len(full_record)  # it was interrupted mid-way
-    resumed = fa.perplexity_curves(model, tokens, out=tmp_path / "run.csv", **kw)
+    resumed = fa.perplexity_curves(model, tokens, checkpoint=tmp_path / "run.csv", **kw)
     pd.testing.assert_frame_equal(resumed, full)
     _same_rows(pd.read_csv(record), full_record, ["metric", "mode", "rate", "unit_hash"])
 

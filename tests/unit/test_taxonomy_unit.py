@@ -16,6 +16,7 @@ from mechgeom.analyses.pruning import taxonomy_order
 from mechgeom.analyses.taxonomy import (
     LABELS,
     TABLE_COLUMNS,
+    TaxonomyCollector,
     classify_heads,
     classify_heads_from_cache,
     label_agreement,
@@ -297,3 +298,82 @@ def test_bad_input_errors() -> None:
     with pytest.raises(RuntimeError, match="boom"):
         classify_heads(model, tokens, extra_hooks=[("blocks.0.attn.hook_v", boom)])
     assert not has_hooks(model)
+
+
+def test_collector_corpus_in_constructor_and_tokens_in_result() -> None:
+    model = make_tiny(n_layers=2)
+    tokens = random_tokens(2, 8)
+    col = TaxonomyCollector(model, [0, 1], corpus="wiki")
+    model.run_with_hooks(tokens, fwd_hooks=col.fwd_hooks)
+    res = col.result(tokens)
+    assert res.corpus == "wiki" and (res.to_frame()["corpus"] == "wiki").all()
+    assert res.tokens is not None and torch.equal(res.tokens, tokens)
+    assert col.result().tokens is None
+    via_fn = classify_heads(model, tokens, corpus="wiki")
+    pd.testing.assert_frame_equal(via_fn.to_frame(), res.to_frame())
+    assert via_fn.tokens is not None and torch.equal(via_fn.tokens, tokens)
+    _, cache = model.run_with_cache(tokens)
+    cached = classify_heads_from_cache(model, cache, tokens=tokens, corpus="wiki")
+    pd.testing.assert_frame_equal(cached.to_frame(), res.to_frame())
+    assert cached.tokens is not None and torch.equal(cached.tokens, tokens)
+    assert classify_heads_from_cache(model, cache).corpus == ""
+    assert not has_hooks(model)
+
+
+def _brute_summary_checks(table: pd.DataFrame, s: dict) -> None:  # type: ignore[type-arg]
+    rows = table.to_dict(orient="records")
+    assert s["n_heads"] == len(rows)
+    for lab in LABELS:
+        mine = [r for r in rows if r["label"] == lab]
+        assert s["counts"][lab] == len(mine)
+        assert s["shares"][lab] == pytest.approx(len(mine) / len(rows))
+        align = next(a for a in s["alignment"] if a["label"] == lab)
+        for col in ("cos_out_sink", "cos_out_cur", "sink_rate"):
+            vals = [r[col] for r in mine if not np.isnan(r[col])]
+            if vals:
+                assert align[col] == pytest.approx(np.mean(vals), rel=1e-9)
+            else:
+                assert np.isnan(align[col])
+    mixers = [r["cos_out_sink"] for r in rows if r["label"] == "Mixer"]
+    retrievers = [r["cos_out_cur"] for r in rows if r["label"] == "Retriever"]
+    for key, vals in (("cos_out_sink_mixer", mixers), ("cos_out_cur_retriever", retrievers)):
+        if vals:
+            assert s[key] == pytest.approx(np.mean(vals), rel=1e-9)
+        else:
+            assert np.isnan(s[key])
+
+
+def test_summary_matches_bruteforce() -> None:
+    import json
+
+    model = make_tiny(n_layers=2, n_heads=4, d_head=4, n_ctx=K)
+    tokens = random_tokens(2, K)
+    pat, kv_vals = hand_patterns(1, K), hand_values(1, K, 4)
+    hooks = []
+    for layer in range(2):
+        hooks.append((f"blocks.{layer}.attn.hook_pattern", _overwrite(pat)))
+        hooks.append((f"blocks.{layer}.attn.hook_v", _overwrite(kv_vals)))
+    res = classify_heads(model, tokens, extra_hooks=hooks, corpus="hand")
+    s = res.summary()
+    json.dumps(s)
+    assert s["corpus"] == "hand"
+    assert s["counts"] == {"Retriever": 2, "Mixer": 2, "Reset": 4}
+    _brute_summary_checks(res.to_frame(), s)
+    # every head a sink head: no Retriever, no Reset; their shares are 0.0 and their alignments NaN
+    sink = hand_patterns(1, K)[:, 1:2].expand(1, 4, K, K).clone()
+    only_mixers = [(f"blocks.{la}.attn.hook_pattern", _overwrite(sink)) for la in range(2)]
+    s2 = classify_heads(model, tokens, extra_hooks=only_mixers).summary()
+    assert s2["shares"] == {"Retriever": 0.0, "Mixer": 1.0, "Reset": 0.0}
+    assert np.isnan(s2["cos_out_cur_retriever"]) and not np.isnan(s2["cos_out_sink_mixer"])
+    _brute_summary_checks(classify_heads(model, tokens, extra_hooks=only_mixers).to_frame(), s2)
+    # the model's own patterns
+    own = classify_heads(model, tokens)
+    _brute_summary_checks(own.to_frame(), own.summary())
+
+
+def test_agreement_summary() -> None:
+    a = _table(["Retriever", "Mixer", "Reset", "Mixer"])
+    b = _table(["Retriever", "Reset", "Reset", "Mixer"])
+    s = label_agreement({"a": a, "b": b}).summary()
+    assert s["all_agree"] == pytest.approx(0.75)
+    assert s["pairwise"] == [{"a": "a", "b": "b", "n_heads": 4, "agreement": 0.75}]

@@ -1,0 +1,208 @@
+"""Headline statistics of contribution weights (SPEC.md §A): how much of each head's weight the sink gets
+under attention and under contribution, how often contribution is negative, how often attention and
+contribution pick the same top source, and how far apart the two are (total variation).
+
+Every statistic is a mean over texts and queries ``i >= 1`` (query 0 has a single source), kept as a
+``(sum, count)`` pair per head so that batches of texts add up exactly (:func:`score_sums`,
+:func:`add_sums`, :func:`finish_sums`); :class:`ScoreTotals` keeps those pairs per layer, for the heads and
+for the whole layer. The streamed overview over a corpus is
+:func:`mechgeom.analyses.contribution.contribution_overview`; the same numbers from a result in memory are
+:meth:`mechgeom.analyses.contribution.ContributionResult.summary` (:func:`result_summary`).
+
+This module computes statistics of metric tensors only; it imports no collector, so that
+:mod:`mechgeom.analyses.contribution` can use it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import torch
+
+from mechgeom.typing import Float, HeadScores, Tensor
+
+__all__ = [
+    "HEAD_STATISTICS",
+    "SUMMARY_METRICS",
+    "ScoreTotals",
+    "add_sums",
+    "finish_sums",
+    "overview_frames",
+    "overview_summary",
+    "result_summary",
+    "score_sums",
+    "view_layer_of",
+]
+
+#: The metrics the statistics read, in the order :func:`score_sums` takes them.
+SUMMARY_METRICS = ("attention", "value_weighted_normalized", "contribution")
+#: The statistics of :func:`score_sums`, in its order (the columns of the overview tables).
+HEAD_STATISTICS = (
+    "sink_attention",
+    "sink_value_weighted_normalized",
+    "sink_contribution",
+    "negative_share",
+    "top1_agreement",
+    "tv_attention_contribution",
+)
+
+#: ``{statistic: (sum, count)}``, each ``[head_index]``.
+Sums = dict[str, tuple[Tensor, Tensor]]
+
+
+def score_sums(a: HeadScores, vn: HeadScores, c: HeadScores) -> Sums:
+    """Per-head ``(sum, count)`` pairs over texts ``b`` and queries ``i >= 1`` of ``[batch, head, q, k]``
+    attention ``a``, output-normalised value weights ``vn`` and contribution weights ``c``, so that batches
+    add up (:func:`add_sums`) and :func:`finish_sums` gives the means:
+
+    - ``sink_attention``: ``a[h,i,0]``, the attention on the sink (position 0);
+    - ``sink_value_weighted_normalized``: ``vn[h,i,0]``, NaN rows left out;
+    - ``sink_contribution``: ``c[h,i,0]``, NaN rows (zero output norm) left out;
+    - ``negative_share``: the share of sources ``j <= i`` with ``c[h,i,j] < 0`` among those with a finite ``c``;
+    - ``top1_agreement``: how often ``argmax_j a[h,i,j] == argmax_j c[h,i,j]`` over sources ``j <= i`` (ties:
+      the lower position), over rows with a finite ``c``;
+    - ``tv_attention_contribution``: the total-variation distance ``0.5 sum_(j <= i) |c[h,i,j] - a[h,i,j]|``,
+      NaN rows left out.
+
+    A whole-layer version takes the inter-head metrics with a head axis of 1 (``inter[k][:, None]``).
+
+    >>> a = torch.tensor([[[[1.0, 0.0], [0.5, 0.5]]]])
+    >>> c = torch.tensor([[[[1.0, 0.0], [1.5, -0.5]]]])
+    >>> {k: float(v[0]) for k, v in finish_sums(score_sums(a, a, c)).items()}  # doctest: +NORMALIZE_WHITESPACE
+    {'sink_attention': 0.5, 'sink_value_weighted_normalized': 0.5, 'sink_contribution': 1.5,
+     'negative_share': 0.5, 'top1_agreement': 1.0, 'tv_attention_contribution': 1.0}
+    """
+    q, k = a.shape[-2:]
+    mask = torch.ones(q, k, dtype=torch.bool, device=a.device).tril()  # [q k]: sources j <= i
+    valid = mask & ~torch.isnan(c)  # [b h q k]
+    a_top = a.masked_fill(~mask, -math.inf).argmax(-1)  # [b h q]
+    c_top = c.masked_fill(~valid, -math.inf).argmax(-1)
+    row_ok = valid.any(-1)[..., 1:]  # [b h q-1]: rows with a finite contribution (not a zero output norm)
+    tv = 0.5 * (c - a).abs().masked_fill(~mask, 0.0).sum(-1)[..., 1:]  # [b h q-1]; NaN rows stay NaN
+    dims = (0, 2)
+
+    def nan_pair(x: Tensor) -> tuple[Tensor, Tensor]:
+        ok = ~torch.isnan(x)
+        return torch.where(ok, x, 0.0).sum(dims), ok.sum(dims)
+
+    return {
+        "sink_attention": (a[..., 1:, 0].sum(dims), torch.full_like(a[0, :, 0, 0], a.shape[0] * (q - 1))),
+        "sink_value_weighted_normalized": nan_pair(vn[..., 1:, 0]),
+        "sink_contribution": nan_pair(c[..., 1:, 0]),
+        "negative_share": (((c < 0) & valid)[..., 1:, :].sum((0, 2, 3)), valid[..., 1:, :].sum((0, 2, 3))),
+        "top1_agreement": (((a_top == c_top)[..., 1:] & row_ok).sum(dims), row_ok.sum(dims)),
+        "tv_attention_contribution": nan_pair(tv),
+    }
+
+
+def finish_sums(sums: Sums) -> dict[str, Float[Tensor, " head_index"]]:
+    """``sum / count`` per statistic (in float64, returned as float32), NaN where the count is 0."""
+    return {k: (s.double() / n.double()).where(n > 0, torch.nan).float() for k, (s, n) in sums.items()}
+
+
+def add_sums(acc: Sums | None, new: Sums) -> Sums:
+    """``acc + new``, pair by pair, in float64 (``acc=None`` starts a total)."""
+    if acc is None:
+        return {k: (s.double(), n.double()) for k, (s, n) in new.items()}
+    return {k: (acc[k][0] + s.double(), acc[k][1] + n.double()) for k, (s, n) in new.items()}
+
+
+class ScoreTotals:
+    """The ``(sum, count)`` pairs of :func:`score_sums` per layer, for the heads and for the whole layer,
+    added up batch by batch; :meth:`heads_frame` and :meth:`layers_frame` give the means."""
+
+    def __init__(self) -> None:
+        self.head_sums: dict[int, Sums] = {}
+        self.layer_sums: dict[int, Sums] = {}
+
+    def add(self, layer: int, intra: Mapping[str, Tensor], inter: Mapping[str, Tensor]) -> None:
+        """Add one batch of one layer: ``intra[k]`` is ``[batch head q k]``, ``inter[k]`` is ``[batch q k]``."""
+        names = SUMMARY_METRICS
+        self.head_sums[layer] = add_sums(self.head_sums.get(layer), score_sums(*(intra[k] for k in names)))
+        self.layer_sums[layer] = add_sums(
+            self.layer_sums.get(layer), score_sums(*(inter[k][:, None] for k in names))
+        )
+
+    def heads_frame(self) -> pd.DataFrame:
+        """One row per ``(layer, head)``: ``layer, head`` and the means of :data:`HEAD_STATISTICS`."""
+        frames = []
+        for layer in sorted(self.head_sums):
+            frame = pd.DataFrame({k: v.numpy() for k, v in finish_sums(self.head_sums[layer]).items()})
+            frame.insert(0, "head", range(len(frame)))
+            frame.insert(0, "layer", layer)
+            frames.append(frame)
+        return pd.concat(frames, ignore_index=True)
+
+    def layers_frame(self) -> pd.DataFrame:
+        """One row per layer: ``layer`` and the whole-layer (inter-head) means of :data:`HEAD_STATISTICS`."""
+        return pd.DataFrame(
+            [
+                {"layer": la, **{k: float(v[0]) for k, v in finish_sums(self.layer_sums[la]).items()}}
+                for la in sorted(self.layer_sums)
+            ]
+        )
+
+
+def view_layer_of(layers: pd.DataFrame) -> int:
+    """The layer of largest whole-layer ``tv_attention_contribution`` (the first layer if every one is NaN)."""
+    tv = layers["tv_attention_contribution"].to_numpy()
+    return int(layers["layer"].to_numpy()[int(np.nanargmax(tv)) if np.isfinite(tv).any() else 0])
+
+
+def overview_summary(heads: pd.DataFrame, layers: pd.DataFrame, n_texts: int) -> dict[str, Any]:
+    """The headline numbers: means over the rows of ``heads`` (``heads[col].mean()``, NaN skipped), the
+    view layer (:func:`view_layer_of`) and its whole-layer TV (``np.nanmax`` over layers)."""
+    tv = layers["tv_attention_contribution"].to_numpy(dtype=float)
+    cols = ("sink_attention", "sink_contribution", "sink_value_weighted_normalized")
+    return {
+        "n_heads": len(heads),
+        "n_texts": int(n_texts),
+        **{col: float(heads[col].mean()) for col in cols},
+        "negative_share": float(heads["negative_share"].mean()),
+        "top1_agreement": float(heads["top1_agreement"].mean()),
+        "view_layer": view_layer_of(layers),
+        "view_layer_tv": float(np.nanmax(tv)) if (~np.isnan(tv)).any() else math.nan,
+    }
+
+
+def _check_summary_metrics(intra: Mapping[str, Tensor], inter: Mapping[str, Tensor]) -> None:
+    for kind, have in (("intra-head", intra), ("inter-head", inter)):
+        missing = [m for m in SUMMARY_METRICS if m not in have]
+        if missing:
+            raise ValueError(
+                f"the summary needs the {kind} metric(s) {missing}, which the result does not hold "
+                f"(it has {sorted(have)}); compute them with {kind.split('-')[0]}={list(SUMMARY_METRICS)}"
+            )
+
+
+def overview_frames(
+    layers: Sequence[int],
+    intra: Mapping[str, Float[Tensor, "batch layer head_index query_pos key_pos"]],
+    inter: Mapping[str, Float[Tensor, "batch layer query_pos key_pos"]],
+) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """The per-head and whole-layer tables of a result in memory (every text at once, layer by layer)."""
+    _check_summary_metrics(intra, inter)
+    totals = ScoreTotals()
+    for li, layer in enumerate(layers):
+        totals.add(
+            layer,
+            {k: intra[k][:, li] for k in SUMMARY_METRICS},
+            {k: inter[k][:, li] for k in SUMMARY_METRICS},
+        )
+    return totals.heads_frame(), totals.layers_frame()
+
+
+def result_summary(
+    layers: Sequence[int],
+    intra: Mapping[str, Float[Tensor, "batch layer head_index query_pos key_pos"]],
+    inter: Mapping[str, Float[Tensor, "batch layer query_pos key_pos"]],
+) -> dict[str, Any]:
+    """:func:`overview_summary` of a result in memory; needs intra and inter ``attention``,
+    ``value_weighted_normalized`` and ``contribution`` (``ValueError`` naming the missing ones)."""
+    heads, layer_frame = overview_frames(layers, intra, inter)
+    n_texts = int(next(iter(intra.values())).shape[0])
+    return overview_summary(heads, layer_frame, n_texts)

@@ -1,0 +1,149 @@
+"""The report's settings, stages and records: what a stage is given and what it returns."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+import torch
+
+logger = logging.getLogger("mechgeom.report")
+
+__all__ = ["PRESETS", "ReportResult", "ReportSettings", "Stage", "StageContext", "StageOutput", "StageRecord"]
+
+#: Sizes of the analysis corpus: ``--quick`` and the default run.
+PRESETS: dict[str, dict[str, int]] = {
+    "quick": {"n_texts": 2, "seq_len": 64},
+    "default": {"n_texts": 8, "seq_len": 128},
+}
+
+
+# --------------------------------------------------------------------------- settings and results
+
+
+@dataclass(frozen=True)
+class ReportSettings:
+    """What a report is computed from; a stage is reused only when these (and its params) match."""
+
+    model: str
+    corpus: str
+    n_texts: int
+    seq_len: int
+    seed: int
+    quick: bool
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class StageOutput:
+    """What a stage returns: tables (file stem -> frame), figures (name -> matplotlib figure or PNG
+    bytes), summary lines (plain text), extra HTML (circuitsvis views) and notes (plain text)."""
+
+    tables: dict[str, pd.DataFrame] = field(default_factory=dict)
+    figures: dict[str, Any] = field(default_factory=dict)
+    summary: list[str] = field(default_factory=list)
+    views: list[tuple[str, str]] = field(default_factory=list)  # (caption, circuitsvis local_src)
+    notes: list[str] = field(default_factory=list)
+
+
+@dataclass
+class StageRecord:
+    """One stage as the report shows it."""
+
+    name: str
+    title: str
+    status: str  # "computed" | "reused" | "skipped" | "failed"
+    seconds: float = 0.0
+    files: list[str] = field(default_factory=list)
+    fragment: str = ""
+    reason: str = ""
+
+
+@dataclass
+class ReportResult:
+    """Where the report went and what each stage did."""
+
+    out_dir: Path
+    html_path: Path
+    settings: ReportSettings
+    stages: list[StageRecord]
+
+    @property
+    def ok(self) -> bool:
+        return all(s.status != "failed" for s in self.stages)
+
+    def status(self) -> dict[str, str]:
+        return {s.name: s.status for s in self.stages}
+
+
+class StageContext:
+    """The model and the token windows, loaded on first use (a fully reused report loads nothing)."""
+
+    def __init__(
+        self,
+        settings: ReportSettings,
+        out_dir: Path,
+        *,
+        model: Any = None,
+        tokens: torch.Tensor | None = None,
+        device: str = "cpu",
+        verbose: bool = True,
+    ) -> None:
+        self.settings = settings
+        self.device = device
+        self.verbose = verbose
+        self._model = model
+        self._tokens = tokens
+        self.out_dir = out_dir
+        self.stage_key = ""
+
+    def partial_path(self, name: str, suffix: str) -> Path:
+        """A checkpoint file of the running stage, tied to its settings (``partial/<name>-<key><suffix>``):
+        a sweep that records finished rows there resumes after an interruption."""
+        return self.out_dir / "partial" / f"{name}-{self.stage_key}{suffix}"
+
+    @property
+    def model(self) -> Any:
+        if self._model is None:
+            from mechgeom.models import load_model
+
+            t0 = time.perf_counter()
+            self._model = load_model(self.settings.model, device=self.device)
+            logger.info("loaded %s in %.1f s", self.settings.model, time.perf_counter() - t0)
+        return self._model
+
+    @property
+    def tokens(self) -> torch.Tensor:
+        if self._tokens is None:
+            from mechgeom.data import load_corpus
+
+            s = self.settings
+            self._tokens = load_corpus(
+                s.corpus, self.model, n_texts=s.n_texts, seq_len=s.seq_len, seed=s.seed
+            )
+        return self._tokens
+
+    def str_tokens(self, row: int = 0) -> list[str]:
+        toks = self.tokens[row]
+        if getattr(self.model, "tokenizer", None) is None:
+            return [f"t{int(t)}" for t in toks]
+        return [str(s) for s in self.model.to_str_tokens(toks)]
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One section of the report: the module it needs, its settings and the function that runs it."""
+
+    name: str
+    title: str
+    module: str
+    params: Callable[[ReportSettings], dict[str, Any]]
+    run: Callable[[StageContext, dict[str, Any]], StageOutput]
+    description: str = ""
