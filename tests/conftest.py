@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import shutil
+import subprocess
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
@@ -162,3 +165,42 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "integration" in item.path.parts:
             item.add_marker(pytest.mark.integration)
+
+
+# --------------------------------------------------------------------------- Ray
+
+
+def _only_loopback() -> bool:
+    """Whether this process's network namespace has no interface but ``lo`` (``/proc/net/dev`` is per
+    namespace; ``/sys/class/net`` is not remounted by ``unshare -n``)."""
+    lines = Path("/proc/net/dev").read_text().splitlines()[2:]
+    return {line.split(":")[0].strip() for line in lines} <= {"lo"}
+
+
+def _can_isolate() -> bool:
+    if shutil.which("unshare") is None:
+        return False
+    cmd = ["unshare", "-n", "true"] if os.geteuid() == 0 else ["unshare", "-n", "-r", "true"]
+    return subprocess.run(cmd, capture_output=True).returncode == 0
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """One local Ray cluster for the session: 4 logical CPUs, this directory on the workers' PYTHONPATH
+    (they import ``conftest.make_tiny`` and ``sweep_work``). Ray listens on every interface of its network
+    namespace, so it starts only inside a loopback-only one (``scripts/isolated.sh``); where no namespace
+    can be made (no ``unshare`` rights) it starts as it is."""
+    ray = pytest.importorskip("ray") if not os.environ.get("CI") else __import__("ray")
+    if not _only_loopback() and _can_isolate():
+        msg = "Ray tests start a local cluster: run them inside scripts/isolated.sh (as scripts/test.sh does)"
+        if os.environ.get("CI"):
+            pytest.fail(msg)
+        pytest.skip(msg)
+    ray.init(
+        num_cpus=4,  # logical: the held executor's 2 actors and a test's own 2 (the machine has 2 cores)
+        include_dashboard=False,
+        log_to_driver=False,
+        runtime_env={"env_vars": {"PYTHONPATH": str(Path(__file__).resolve().parent)}},
+    )
+    yield ray
+    ray.shutdown()

@@ -62,7 +62,7 @@ from mechgeom.hooks import (
     removal_mask,
     to_tokens,
 )
-from mechgeom.sweep import Item, LocalExecutor, RowStore, run_sweep
+from mechgeom.sweep import Executor, Item, RowStore, executor_for, run_sweep
 from mechgeom.typing import Bool, Float, Tensor, Tokens
 
 __all__ = [
@@ -220,6 +220,7 @@ def _sweep(
     verbose: bool,
     by_length: bool,
     extra_hooks: tuple[FwdHook, ...] = (),
+    executor: Executor | None = None,
 ) -> pd.DataFrame:
     """Per-unit target log-likelihoods for the clean pass and every (metric, mode, rate > 0).
 
@@ -248,7 +249,7 @@ def _sweep(
         items,
         _SweepWork(units, layers, scope, seed, tuple(extra_hooks)),
         rows,
-        executor=LocalExecutor(model),
+        executor=executor_for(model, executor),
         desc="faithfulness: masked passes",
         verbose=verbose,
     )
@@ -296,6 +297,7 @@ def perplexity_curves(
     n_boot: int = 1000,
     checkpoint: str | Path | None = None,
     extra_hooks: Sequence[FwdHook] = (),
+    executor: Executor | None = None,
     verbose: bool = False,
 ) -> pd.DataFrame:
     """ΔPPL of next-token prediction when each metric's top (comprehensiveness) or bottom (sufficiency)
@@ -321,6 +323,9 @@ def perplexity_curves(
     already recorded, so an interrupted sweep resumes without duplicate or lost rows (texts are matched by
     content, so a larger corpus that starts with the same windows extends an earlier run). Different
     settings raise ``ValueError``.
+
+    ``executor`` runs the sweep's items elsewhere, e.g. :class:`mechgeom.sweep.RayExecutor` on actors that
+    each load the same model by name (default: in this process, on ``model``); the table is the same.
     """
     metrics_t, rates_t, modes_t, chosen, scope = _check_common(
         model, metrics, rates, modes, layers, scope, batch_size
@@ -359,6 +364,7 @@ def perplexity_curves(
         verbose=verbose,
         by_length=False,
         extra_hooks=tuple(extra_hooks),
+        executor=executor,
     )
     frame = _ppl_summary(record, units.hashes, metrics_t, modes_t, rates_t, n_boot=n_boot, seed=seed)
     frame = frame.assign(n_texts=n, layers=settings["layers"], scope=scope, seed=seed)
@@ -451,6 +457,7 @@ def task_accuracy_curves(
     n_boot: int = 1000,
     checkpoint: str | Path | None = None,
     extra_hooks: Sequence[FwdHook] = (),
+    executor: Executor | None = None,
     verbose: bool = False,
 ) -> pd.DataFrame:
     """Accuracy on multiple-choice items (:func:`mechgeom.data.load_task`) under the same masking.
@@ -467,7 +474,8 @@ def task_accuracy_curves(
     ``max_len`` (default ``n_ctx``) trims long prompts from the left. Rows: one per (task, metric, mode,
     rate), plus ``task="all"`` when the items mix tasks: ``task, metric, mode, rate, accuracy,
     delta_accuracy, ci_low, ci_high, clean_accuracy, n_items, layers, scope, seed``. ``checkpoint``, resume
-    and ``extra_hooks`` work as in :func:`perplexity_curves` (per-choice record ``<stem>.per_choice<suffix>``).
+    ``extra_hooks`` and ``executor`` work as in :func:`perplexity_curves` (per-choice record
+    ``<stem>.per_choice<suffix>``).
     """
     metrics_t, rates_t, modes_t, chosen, scope = _check_common(
         model, metrics, rates, modes, layers, scope, batch_size
@@ -496,6 +504,7 @@ def task_accuracy_curves(
         verbose=verbose,
         by_length=True,
         extra_hooks=tuple(extra_hooks),
+        executor=executor,
     )
     frame = _accuracy_summary(
         record, units.hashes, owner, items, metrics_t, modes_t, rates_t, n_boot=n_boot, seed=seed

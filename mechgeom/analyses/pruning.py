@@ -47,17 +47,10 @@ from mechgeom.analyses.head_stats import *  # noqa: F403
 from mechgeom.analyses.head_stats import HeadStats
 from mechgeom.analyses.head_stats import __all__ as _stats_all
 from mechgeom.data import TaskItem
-from mechgeom.hooks import (
-    FwdHook,
-    Head,
-    HeadAblationMode,
-    head_ablation_hooks,
-    resolve_head_set,
-    run_hooks,
-    to_tokens,
-)
+from mechgeom.hooks import FwdHook, Head, head_ablation_hooks, resolve_head_set, run_hooks, to_tokens
+from mechgeom.hooks import HeadAblationMode as AblationMode  # head removal modes (hooks.interventions)
 from mechgeom.models import is_bridge
-from mechgeom.sweep import Item, LocalExecutor, RowStore, model_label, run_sweep, tokens_hash
+from mechgeom.sweep import Executor, Item, RowStore, executor_for, model_label, run_sweep, tokens_hash
 from mechgeom.typing import Float, Tensor, Tokens
 
 __all__ = sorted(
@@ -78,9 +71,6 @@ __all__ = sorted(
         "task_accuracy",
     }
 )
-
-#: Head removal modes (defined with the intervention in :mod:`mechgeom.hooks.interventions`).
-AblationMode = HeadAblationMode
 
 
 # --------------------------------------------------------------------------- single-head sweep
@@ -267,6 +257,7 @@ def single_head_sweep(
     batch_size: int = 8,
     start_at_layer: bool = True,
     checkpoint: str | Path | None = None,
+    executor: Executor | None = None,
     verbose: bool = False,
 ) -> SingleHeadResult:
     """NLL of every text with each head removed alone (``heads=None``: all heads), plus the clean NLL.
@@ -277,7 +268,9 @@ def single_head_sweep(
     :func:`mechgeom.analyses.evaluation.text_nll` (always so on a ``TransformerBridge``, where that is the faster
     path). ``checkpoint`` (a ``.csv``/``.parquet`` path) records each head's rows as soon as it finishes
     and resumes from them (:mod:`mechgeom.sweep`); a file written for another model, other tokens or
-    another mode is refused with a ``ValueError`` naming the difference.
+    another mode is refused with a ``ValueError`` naming the difference. ``executor`` runs the heads
+    elsewhere (e.g. :class:`mechgeom.sweep.RayExecutor`, each worker loading the same model by name; the
+    heads of one layer go to one worker, which caches that layer's residual stream).
     """
     tokens = to_tokens(model, tokens, min_pos=2, what="the single-head sweep (a token to predict)")
     n_layers, n_heads, n_texts = int(model.cfg.n_layers), int(model.cfg.n_heads), tokens.shape[0]
@@ -293,7 +286,7 @@ def single_head_sweep(
         checkpoint, key=["layer", "head", "text"], settings=settings, what="checkpoint", fresh=_FRESH
     )
     items = [
-        Item(key=(layer, h), rows=tuple((layer, h, t) for t in range(n_texts)))
+        Item(key=(layer, h), rows=tuple((layer, h, t) for t in range(n_texts)), batch=layer)
         for layer, hs in wanted.items()
         for h in hs
     ]
@@ -306,7 +299,9 @@ def single_head_sweep(
         and getattr(model.cfg, "positional_embedding_type", "") != "shortformer"
     )
     work = _HeadWork(tokens, mode, means, batch_size, use_resid)
-    run_sweep(items, work, store, executor=LocalExecutor(model), desc="single-head sweep", verbose=verbose)
+    run_sweep(
+        items, work, store, executor=executor_for(model, executor), desc="single-head sweep", verbose=verbose
+    )
     nll = torch.full((n_layers, n_heads, n_texts), float("nan"))
     done = store.frame
     for a, b, c, v in zip(*(done[k].to_numpy() for k in ("layer", "head", "text", "nll")), strict=True):
@@ -520,6 +515,7 @@ def retention_curves(
     batch_size: int = 8,
     checkpoint: str | Path | None = None,
     on_order: Callable[[pd.DataFrame], None] | None = None,
+    executor: Executor | None = None,
     verbose: bool = False,
 ) -> RetentionCurves:
     """:func:`retention_curve` for every order, the clean pass shared; resumable.
@@ -529,7 +525,8 @@ def retention_curves(
     recomputed; an order absent from it is run. The file is tied to the model, the corpora (by token
     content), the levels, the mode and the task items: another run's file is refused with a ``ValueError``
     naming each difference.
-    ``on_order(frame_so_far)`` runs after each order.
+    ``on_order(frame_so_far)`` runs after each order; ``executor`` runs the orders elsewhere (as in
+    :func:`single_head_sweep`).
     """
     n_total = int(model.cfg.n_layers) * int(model.cfg.n_heads)
     corpora = {
@@ -559,7 +556,7 @@ def retention_curves(
         items,
         work,
         store,
-        executor=LocalExecutor(model),
+        executor=executor_for(model, executor),
         desc="retention curves",
         verbose=verbose,
         on_item=after,
