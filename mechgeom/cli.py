@@ -5,6 +5,8 @@
 - ``mechgeom contributions``: contribution weights of one text -> CSV, Parquet or HTML (by ``--out``'s suffix).
 - ``mechgeom run <analysis>``: one full analysis (faithfulness, sinks, selection, pruning) on one model ->
   ``results/<analysis>/<model>/`` (tables, figures, ``summary.json``); ``scripts/run_*.py`` wrap these verbs.
+- ``mechgeom sweep <sweep>``: one resumable sweep (faithfulness, tasks, pruning) -> ``--out DIR``, on this
+  process or on Ray actors (``--engine ray``); the same table either way.
 - ``mechgeom models``: the offline models.
 
 Logs go to stderr; results (paths, model names) to stdout. :func:`main` returns the exit status, so it can
@@ -70,7 +72,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "-v", "--verbose", action="store_true", help="debug logging (tracebacks of failed stages)"
     )
-    verbs = parser.add_subparsers(dest="verb", required=True, metavar="{report,contributions,run,models}")
+    verbs = parser.add_subparsers(
+        dest="verb", required=True, metavar="{report,contributions,run,sweep,models}"
+    )
 
     q, d = PRESETS["quick"], PRESETS["default"]
     rep = verbs.add_parser(
@@ -147,6 +151,18 @@ def build_parser() -> argparse.ArgumentParser:
             formatter_class=argparse.RawDescriptionHelpFormatter,
         )
         module.add_arguments(sub)
+
+    from mechgeom.report import sweeps
+
+    sw = verbs.add_parser(
+        "sweep",
+        help="a resumable sweep (faithfulness, tasks, pruning) on this process or on Ray actors",
+        description=sweeps.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    sweeps.add_arguments(
+        sw.add_subparsers(dest="sweep", required=True, metavar="{" + ",".join(sweeps.SWEEPS) + "}")
+    )
 
     verbs.add_parser(
         "models", help="list the offline models", description="List the offline models, one per line."
@@ -226,6 +242,13 @@ def _cmd_run(args: argparse.Namespace) -> int:
     return int(run_module(args.analysis).run(args))
 
 
+def _cmd_sweep(args: argparse.Namespace) -> int:
+    from mechgeom.report import sweeps
+
+    print(sweeps.run(args))
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run ``mechgeom`` with ``argv`` (default ``sys.argv[1:]``); returns the exit status.
 
@@ -252,6 +275,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "report": _cmd_report,
         "contributions": _cmd_contributions,
         "run": _cmd_run,
+        "sweep": _cmd_sweep,
     }
     try:
         return commands[args.verb](args)

@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
+import pandas as pd
 import torch
 
 from mechgeom._progress import progress
@@ -32,6 +33,7 @@ __all__ = [
     "predicted_correct",
     "score_choices",
     "task_accuracy",
+    "task_baselines",
     "text_nll",
     "token_nll",
 ]
@@ -251,3 +253,30 @@ def task_accuracy(
         model, encoded if encoded is not None else items, fwd_hooks, batch_size=batch_size, max_len=max_len
     )
     return float(predicted_correct(scores, [item.answer for item in items]).mean())
+
+
+def task_baselines(items: Sequence[Any]) -> pd.DataFrame:
+    """Per task (and ``"all"`` when the items mix tasks): the accuracy of guessing, ``chance`` (the mean
+    over items of ``1 / n_choices``), and of always giving the most common answer position,
+    ``majority`` (its share among the items), with ``n_items``.
+
+    >>> from mechgeom.data import TaskItem
+    >>> its = [TaskItem("t", "q", (" no", " yes"), a) for a in (1, 1, 0)]
+    >>> task_baselines(its).to_dict("records")
+    [{'task': 't', 'chance': 0.5, 'majority': 0.6666666666666666, 'n_items': 3}]
+    """
+    tasks = [str(getattr(it, "task", "items")) for it in items]
+    groups = list(dict.fromkeys(tasks))
+    rows = []
+    for g in [*groups, *(["all"] if len(groups) > 1 else [])]:
+        sel = [it for it, t in zip(items, tasks, strict=True) if g in ("all", t)]
+        answers = np.array([int(it.answer) for it in sel])
+        rows.append(
+            {
+                "task": g,
+                "chance": float(np.mean([1.0 / len(it.choices) for it in sel])),
+                "majority": float(np.bincount(answers).max() / len(answers)),
+                "n_items": len(sel),
+            }
+        )
+    return pd.DataFrame(rows)
