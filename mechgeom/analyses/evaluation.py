@@ -23,7 +23,8 @@ import torch
 
 from mechgeom._progress import progress
 from mechgeom.hooks import FwdHook, run_hooks
-from mechgeom.typing import Float, Tensor, Tokens
+from mechgeom.models import is_bridge
+from mechgeom.typing import Bool, Float, Tensor, Tokens
 
 __all__ = [
     "EncodedItem",
@@ -32,6 +33,7 @@ __all__ = [
     "perplexity",
     "predicted_correct",
     "score_choices",
+    "target_logprob",
     "task_accuracy",
     "task_baselines",
     "text_nll",
@@ -57,6 +59,37 @@ def token_nll(
     with torch.no_grad(), model.hooks(fwd_hooks=list(fwd_hooks), reset_hooks_end=True):
         loss = model(inputs, return_type="loss", loss_per_token=True, **forward_kwargs)
     return loss.float().cpu()
+
+
+def target_logprob(
+    model: Any, tokens: Tokens, targets: Bool[Tensor, "batch pos_minus_1"], fwd_hooks: Sequence[FwdHook] = ()
+) -> Float[Tensor, " batch"]:
+    """``sum`` of ``log p(token[t+1] | tokens[:t+1])`` over the predictions ``t`` where ``targets`` is true.
+
+    The same numbers as ``-(token_nll(model, tokens, fwd_hooks) * targets).sum(-1)``. When the targets
+    leave positions out (a choice after a long prompt), a ``HookedTransformer`` unembeds only the positions
+    some row needs: the blocks run as usual (``stop_at_layer=n_layers``), then ``ln_final``, ``unembed`` and
+    the logit soft cap on those positions alone. With a 262k vocabulary (Gemma 3) the full unembedding is
+    most of a forward pass. A bridge, or targets that cover every position, take the plain path.
+    """
+    cols = targets.any(0).nonzero().squeeze(-1)  # [n_cols] prediction positions any row scores
+    if is_bridge(model) or cols.numel() == targets.shape[1]:
+        loss = token_nll(model, tokens, fwd_hooks)  # [batch, pos-1], float32 on the CPU
+        return -(loss * targets.to(loss.device)).sum(-1)
+    from transformer_lens.utilities.activation_functions import apply_softcap
+
+    with torch.no_grad(), model.hooks(fwd_hooks=list(fwd_hooks), reset_hooks_end=True):
+        resid = model(tokens, stop_at_layer=model.cfg.n_layers)  # [batch, pos, d_model], before ln_final
+        resid = resid[:, cols.to(resid.device)]  # [batch, n_cols, d_model]
+        if model.cfg.normalization_type is not None:
+            resid = model.ln_final(resid)
+        logits = apply_softcap(
+            model.unembed(resid), model.cfg.output_logits_soft_cap
+        )  # [batch, n_cols, d_vocab]
+    logp = logits.float().log_softmax(dim=-1)
+    nxt = tokens[:, cols + 1].to(logp.device)  # [batch, n_cols] the predicted tokens
+    picked = logp.gather(-1, nxt[..., None])[..., 0].cpu()  # [batch, n_cols]
+    return (picked * targets[:, cols]).sum(-1)
 
 
 def text_nll(

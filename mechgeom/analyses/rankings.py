@@ -54,7 +54,7 @@ from mechgeom.analyses.contribution import (
     RANKING_METRICS,
     ContributionCollector,
 )
-from mechgeom.analyses.evaluation import token_nll
+from mechgeom.analyses.evaluation import target_logprob
 from mechgeom.hooks import (
     MODES,
     FwdHook,
@@ -242,10 +242,8 @@ def _random_scores(
 def _target_logprob(
     model: Any, tokens: Tokens, targets: Bool[Tensor, "batch pos_minus_1"], fwd_hooks: Sequence[FwdHook]
 ) -> Float[Tensor, " batch"]:
-    """``sum`` of ``log p(token[t+1] | tokens[:t+1])`` over the target predictions, hooks attached
-    (the next-token loss of :func:`mechgeom.analyses.evaluation.token_nll`)."""
-    loss = token_nll(model, tokens, fwd_hooks)  # [batch, pos-1], float32 on the CPU
-    return -(loss * targets.to(loss.device)).sum(-1)
+    """``sum`` of the target predictions' log-likelihoods, hooks attached (:func:`~mechgeom.analyses.evaluation.target_logprob`)."""
+    return target_logprob(model, tokens, targets, fwd_hooks)
 
 
 def _clean_pass(

@@ -14,6 +14,7 @@ from mechgeom.analyses.evaluation import (
     perplexity,
     predicted_correct,
     score_choices,
+    target_logprob,
     task_accuracy,
     text_nll,
     token_nll,
@@ -67,6 +68,41 @@ def test_token_nll_equals_log_softmax_bruteforce(n_kv):
     # text_nll and perplexity are the mean of token_nll over positions (and texts)
     torch.testing.assert_close(text_nll(model, toks, hooks, batch_size=2), ablated.mean(dim=-1))
     assert perplexity(model, toks) == pytest.approx(float(torch.exp(want.mean())), rel=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("norm", "cap"),
+    [("LN", 0.0), ("LN", 3.0), ("RMS", 0.0), (None, 0.0)],
+    ids=["ln", "ln-softcap", "rms", "none"],
+)
+def test_target_logprob_equals_loop_over_scored_positions(norm, cap):
+    """The summed log-likelihood of the scored predictions, looped in float64 from the model's own logits;
+    some positions are scored by no row, so a HookedTransformer unembeds only the rest."""
+    model = make_tiny(normalization_type=norm, seed=4)
+    model.cfg.output_logits_soft_cap = cap
+    toks = random_tokens(3, 12, seed=2)
+    targets = torch.zeros(3, 11, dtype=torch.bool)
+    targets[0, 7:10] = True
+    targets[1, 2] = True
+    targets[2, [5, 10]] = True  # positions 0, 1, 3, 4, 6 are scored by no row
+    hooks = head_ablation_hooks(model, [(0, 1)])
+    for fwd_hooks in ([], hooks):
+        got = target_logprob(model, toks, targets, fwd_hooks)
+        with torch.no_grad():
+            logits = model.run_with_hooks(toks, fwd_hooks=fwd_hooks)
+        nll = _bruteforce_nll(logits, toks)
+        want = torch.tensor([-sum(nll[b, t] for t in range(11) if targets[b, t]) for b in range(3)])
+        assert got.shape == (3,) and got.device.type == "cpu"
+        torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(
+            got, -(token_nll(model, toks, fwd_hooks) * targets).sum(-1), atol=1e-5, rtol=1e-5
+        )
+        assert not has_hooks(model)
+    assert not torch.allclose(
+        target_logprob(model, toks, targets), target_logprob(model, toks, targets, hooks)
+    )
+    every = torch.ones(3, 11, dtype=torch.bool)  # every position scored: the plain path
+    torch.testing.assert_close(target_logprob(model, toks, every), -token_nll(model, toks).sum(-1))
 
 
 def test_token_nll_removes_hooks_on_error():
