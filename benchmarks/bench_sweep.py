@@ -26,6 +26,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from mechgeom._io import atomic_write
 from mechgeom.analyses.faithfulness import perplexity_curves
 from mechgeom.data import load_corpus
 from mechgeom.models import load_model
@@ -91,7 +92,8 @@ def main() -> None:
         print(f"| {label} | {shape} | {r['start_s']:.1f} s | {r['sweep_s']:.1f} s | {r['items_per_s']:.2f} | "
               f"{t_local / r['sweep_s']:.2f}x |")  # fmt: skip
     if args.json is not None:
-        args.json.write_text(json.dumps({"ray_init_s": t_init, "n_items": n_items, "rows": rows}, indent=1))
+        with atomic_write(args.json) as f:
+            json.dump({"ray_init_s": t_init, "n_items": n_items, "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":

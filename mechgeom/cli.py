@@ -28,23 +28,6 @@ logger = logging.getLogger("mechgeom")
 _TABLE_SUFFIXES = (".csv", ".parquet", ".html")
 
 
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
-
-
-def _seq_len(text: str) -> int:
-    value = _positive(text)
-    if value < 2:
-        raise argparse.ArgumentTypeError("--seq-len must be at least 2 (one next-token prediction)")
-    return value
-
-
 def _non_negative(text: str) -> int:
     try:
         value = int(text)
@@ -61,6 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     from mechgeom.data import CORPORA
     from mechgeom.models import list_models
     from mechgeom.report import PRESETS
+    from mechgeom.report.options import positive, seq_len
 
     models = list_models()
 
@@ -94,13 +78,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     rep.add_argument(
         "--n-texts",
-        type=_positive,
+        type=positive,
         default=None,
         help=f"number of token windows (default {d['n_texts']}; --quick {q['n_texts']})",
     )
     rep.add_argument(
         "--seq-len",
-        type=_seq_len,
+        type=seq_len,
         default=None,
         help=f"tokens per window (default {d['seq_len']}; --quick {q['seq_len']})",
     )

@@ -45,6 +45,7 @@ from mechgeom.analyses.faithfulness import (
 from mechgeom.analyses.pruning import single_head_sweep
 from mechgeom.data import CORPORA, TASKS, load_corpus, load_task
 from mechgeom.models import load_model
+from mechgeom.report.options import layer_list, names, positive, rates, seq_len
 from mechgeom.sweep import ModelRef, RayExecutor
 
 __all__ = ["SWEEPS", "add_arguments", "run"]
@@ -55,79 +56,44 @@ SWEEPS = ("faithfulness", "tasks", "pruning")
 TASK_RATES = (0.0, 0.3, 0.6, 0.9)
 
 
-def _names(allowed: tuple[str, ...], what: str) -> Any:
-    def parse(text: str) -> tuple[str, ...]:
-        names = tuple(t.strip() for t in text.split(",") if t.strip())
-        bad = [n for n in names if n not in allowed]
-        if not names or bad:
-            raise argparse.ArgumentTypeError(f"{what}: {bad or text!r} not in {', '.join(allowed)}")
-        return names
-
-    return parse
-
-
-def _rates(text: str) -> tuple[float, ...]:
-    try:
-        rates = tuple(float(t) for t in text.split(",") if t.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"--rates: expected numbers like 0,0.1,0.5, got {text!r}") from None
-    if not rates or any(not 0 <= r <= 1 for r in rates):
-        raise argparse.ArgumentTypeError(f"--rates must be in [0, 1], got {text!r}")
-    return rates
-
-
-def _layer_list(text: str) -> tuple[int, ...]:
-    try:
-        return tuple(int(t) for t in text.split(",") if t.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"--layers: expected integers like 0,5,29, got {text!r}") from None
-
-
-def _positive(text: str) -> int:
-    value = int(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
-
-
 def _engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", type=Path, required=True, help="directory of the tables and resume records")
     p.add_argument("--engine", choices=["local", "ray"], default="local")
     p.add_argument("--ray-address", default=None, help="join this Ray cluster ('auto' or an address)")
-    p.add_argument("--workers", type=_positive, default=1, help="Ray actors (model replicas)")
-    p.add_argument("--threads", type=_positive, default=1, help="torch threads per worker")
+    p.add_argument("--workers", type=positive, default=1, help="Ray actors (model replicas)")
+    p.add_argument("--threads", type=positive, default=1, help="torch threads per worker")
     p.add_argument("--num-gpus", type=float, default=0.0, help="GPUs per Ray actor")
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--batch-size", type=_positive, default=None)
+    p.add_argument("--batch-size", type=positive, default=None)
     p.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
 def add_arguments(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     """One sub-command per sweep under ``mechgeom sweep``."""
-    metrics = _names(FAITHFULNESS_METRICS, "--metrics")
+    metrics = names(FAITHFULNESS_METRICS, "--metrics")
     fa = sub.add_parser("faithfulness", help="ΔPPL curves under source masking, per corpus")
     _engine_arguments(fa)
-    fa.add_argument("--corpus", type=_names(CORPORA, "--corpus"), default=("wikitext2",), help="a,b")
-    fa.add_argument("--n-texts", type=_positive, default=16)
-    fa.add_argument("--seq-len", type=_positive, default=256)
+    fa.add_argument("--corpus", type=names(CORPORA, "--corpus"), default=("wikitext2",), help="a,b")
+    fa.add_argument("--n-texts", type=positive, default=16)
+    fa.add_argument("--seq-len", type=seq_len, default=256)
     fa.add_argument("--metrics", type=metrics, default=FAITHFULNESS_METRICS)
-    fa.add_argument("--rates", type=_rates, default=DEFAULT_RATES)
-    fa.add_argument("--modes", type=_names(MODES, "--modes"), default=MODES)
+    fa.add_argument("--rates", type=rates, default=DEFAULT_RATES)
+    fa.add_argument("--modes", type=names(MODES, "--modes"), default=MODES)
     ta = sub.add_parser("tasks", help="multiple-choice accuracy under source masking")
     _engine_arguments(ta)
-    ta.add_argument("--tasks", type=_names(TASKS, "--tasks"), default=TASKS)
-    ta.add_argument("--n-items", type=_positive, default=200, help="items per task")
+    ta.add_argument("--tasks", type=names(TASKS, "--tasks"), default=TASKS)
+    ta.add_argument("--n-items", type=positive, default=200, help="items per task")
     ta.add_argument("--metrics", type=metrics, default=FAITHFULNESS_METRICS)
-    ta.add_argument("--rates", type=_rates, default=TASK_RATES)
-    ta.add_argument("--modes", type=_names(MODES, "--modes"), default=("comprehensiveness",))
-    ta.add_argument("--max-len", type=_positive, default=384, help="prompt + choice tokens at most")
+    ta.add_argument("--rates", type=rates, default=TASK_RATES)
+    ta.add_argument("--modes", type=names(MODES, "--modes"), default=("comprehensiveness",))
+    ta.add_argument("--max-len", type=positive, default=384, help="prompt + choice tokens at most")
     pr = sub.add_parser("pruning", help="the single-head sweep (leaderboard)")
     _engine_arguments(pr)
-    pr.add_argument("--n-texts", type=_positive, default=16)
-    pr.add_argument("--seq-len", type=_positive, default=256)
+    pr.add_argument("--n-texts", type=positive, default=16)
+    pr.add_argument("--seq-len", type=seq_len, default=256)
     pr.add_argument("--ablation", choices=["zero"], default="zero", help="head removal (SPEC default)")
-    pr.add_argument("--layers", type=_layer_list, default=None, help="only these layers' heads: 0,5,29")
+    pr.add_argument("--layers", type=layer_list, default=None, help="only these layers' heads: 0,5,29")
 
 
 @contextlib.contextmanager

@@ -55,6 +55,26 @@ def test_bad_arguments_are_argparse_errors(argv: list[str], capsys: pytest.Captu
     assert "usage: mechgeom" in err and "error:" in err
 
 
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["sweep", "tasks", "--out", "x", "--n-items", "two"], "expected a positive integer, got 'two'"),
+        (["sweep", "tasks", "--out", "x", "--workers", "0"], "expected a positive integer, got 0"),
+        (["sweep", "faithfulness", "--out", "x", "--seq-len", "1"], "--seq-len must be at least 2"),
+        (["sweep", "faithfulness", "--out", "x", "--rates", "0,1.5"], "--rates must be in [0, 1]"),
+        (["sweep", "faithfulness", "--out", "x", "--metrics", "cosine"], "--metrics: ['cosine'] not in"),
+        (["sweep", "pruning", "--out", "x", "--layers", "0,x"], "--layers: expected integers"),
+    ],
+)
+def test_sweep_options_share_the_run_verbs_argument_types(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
+
+
 def test_out_pointing_at_a_file_is_a_clear_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     f = tmp_path / "taken.txt"
     f.write_text("not a directory")
