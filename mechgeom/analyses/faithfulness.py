@@ -467,13 +467,14 @@ def task_accuracy_curves(
     tokens given the prompt (prompt and choice tokenised separately, the model's BOS default), with the
     masking hooks at every position; the ranking comes from the clean pass of that prompt+choice sequence.
     The prediction is the highest-scoring choice (ties: the first); ``accuracy`` is the share of items
-    predicted right, ``delta_accuracy`` its change from the clean pass, ``ci_low``/``ci_high`` a 95%
+    predicted right (``accuracy_ci_low``/``accuracy_ci_high``: its 95% bootstrap over items, to set beside
+    the task's chance rate), ``delta_accuracy`` its change from the clean pass, ``ci_low``/``ci_high`` a 95%
     bootstrap over items of Δaccuracy.
 
     Sequences are right-padded in batches of similar length (padding never reaches a scored position);
     ``max_len`` (default ``n_ctx``) trims long prompts from the left. Rows: one per (task, metric, mode,
     rate), plus ``task="all"`` when the items mix tasks: ``task, metric, mode, rate, accuracy,
-    delta_accuracy, ci_low, ci_high, clean_accuracy, n_items, layers, scope, seed``. ``checkpoint``, resume
+    accuracy_ci_low, accuracy_ci_high, delta_accuracy, ci_low, ci_high, clean_accuracy, n_items, layers, scope, seed``. ``checkpoint``, resume
     ``extra_hooks`` and ``executor`` work as in :func:`perplexity_curves` (per-choice record
     ``<stem>.per_choice<suffix>``).
     """
@@ -552,6 +553,7 @@ def _accuracy_summary(
                     sel = np.ones(len(items), dtype=bool) if g == "all" else tasks == g
                     diff = masked[sel] - clean[sel]
                     lo, hi = bootstrap_ci(diff, n_boot=n_boot, seed=seed)
+                    acc_lo, acc_hi = bootstrap_ci(masked[sel], n_boot=n_boot, seed=seed)
                     rows.append(
                         {
                             "task": g,
@@ -559,6 +561,8 @@ def _accuracy_summary(
                             "mode": mode,
                             "rate": r,
                             "accuracy": float(masked[sel].mean()),
+                            "accuracy_ci_low": acc_lo,
+                            "accuracy_ci_high": acc_hi,
                             "delta_accuracy": float(diff.mean()),
                             "ci_low": lo,
                             "ci_high": hi,

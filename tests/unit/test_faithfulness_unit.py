@@ -399,6 +399,10 @@ def test_task_accuracy_matches_per_sequence_scoring(tmp_path, monkeypatch) -> No
         sel = np.array([row.task in ("all", it.task) for it in items])
         key = ("clean", "clean", 0.0) if row.rate == 0 else (row.metric, row["mode"], row.rate)
         assert row.accuracy == pytest.approx(correct[key][sel].mean())
+        # the accuracy's own interval: the percentile bootstrap over items of the 0/1 correctness
+        lo, hi = evaluation.bootstrap_ci(correct[key][sel], n_boot=1000, seed=0)
+        assert (row.accuracy_ci_low, row.accuracy_ci_high) == pytest.approx((lo, hi))
+        assert row.accuracy_ci_low <= row.accuracy <= row.accuracy_ci_high
         assert row.delta_accuracy == pytest.approx(
             (correct[key][sel] - correct[("clean", "clean", 0.0)][sel]).mean()
         )
