@@ -35,7 +35,7 @@ import pandas as pd
 import torch
 
 from mechgeom._io import write_frame
-from mechgeom.analyses.evaluation import bootstrap_ci, encode_choices, predicted_correct
+from mechgeom.analyses.evaluation import bootstrap_ci, encode_choices, predicted_correct, target_logprob
 from mechgeom.analyses.rankings import (
     FAITHFULNESS_METRICS,
     SCOPES,
@@ -44,7 +44,6 @@ from mechgeom.analyses.rankings import (
     _clean_pass,
     _rkey,
     _settings,
-    _target_logprob,
     _unit_hash,
     area_ordering,
     faithfulness_summary,
@@ -99,7 +98,7 @@ def _masked_scores(
     model: Any, tokens: Tokens, targets: Bool[Tensor, "batch pos_minus_1"], fwd_hooks: Sequence[FwdHook]
 ) -> Float[Tensor, " batch"]:
     """One masked forward pass (forward only, no cache)."""
-    return _target_logprob(model, tokens, targets, fwd_hooks)
+    return target_logprob(model, tokens, targets, fwd_hooks)
 
 
 # --------------------------------------------------------------------------- the resumable sweep

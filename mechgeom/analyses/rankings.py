@@ -239,13 +239,6 @@ def _random_scores(
     return out
 
 
-def _target_logprob(
-    model: Any, tokens: Tokens, targets: Bool[Tensor, "batch pos_minus_1"], fwd_hooks: Sequence[FwdHook]
-) -> Float[Tensor, " batch"]:
-    """``sum`` of the target predictions' log-likelihoods, hooks attached (:func:`~mechgeom.analyses.evaluation.target_logprob`)."""
-    return target_logprob(model, tokens, targets, fwd_hooks)
-
-
 def _clean_pass(
     model: Any,
     tokens: Tokens,
@@ -282,7 +275,7 @@ def _clean_pass(
             on_layer=on_layer,
         )
         hooks += col.fwd_hooks
-    logprob = _target_logprob(model, tokens, targets, hooks)
+    logprob = target_logprob(model, tokens, targets, hooks)
     if "random" in metrics:
         n_heads = int(model.cfg.n_heads) if scope == "intra" else 1
         pos = tokens.shape[1]
