@@ -38,11 +38,9 @@ from mechgeom.report.base import (
 )
 from mechgeom.report.build import build_report, stage_store
 from mechgeom.report.html import (
-    circuitsvis_bundle,
     contributions_html,
     figure_png,
     html_document,
-    strip_circuitsvis_bundle,
 )
 from mechgeom.report.stages import STAGES, faithfulness_order, spread_layers
 
@@ -57,12 +55,10 @@ __all__ = [
     "StageRecord",
     "build",
     "build_report",
-    "circuitsvis_bundle",
     "contributions_html",
     "faithfulness_order",
     "figure_png",
     "html_document",
     "spread_layers",
     "stage_store",
-    "strip_circuitsvis_bundle",
 ]

@@ -4,10 +4,8 @@ and the sections of each stage."""
 from __future__ import annotations
 
 import base64
-import functools
 import html
 import io
-import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -18,14 +16,12 @@ from mechgeom._io import atomic_write
 from mechgeom.report.base import ReportSettings, Stage, StageOutput, StageRecord
 
 __all__ = [
-    "circuitsvis_bundle",
     "contributions_html",
     "figure_png",
     "html_document",
     "page_html",
     "panels_html",
     "render_fragment",
-    "strip_circuitsvis_bundle",
 ]
 
 
@@ -38,29 +34,6 @@ def figure_png(fig: Any, *, dpi: int = 80) -> bytes:
     if "matplotlib.pyplot" in sys.modules:  # a pyplot figure would otherwise stay open
         sys.modules["matplotlib.pyplot"].close(fig)
     return buf.getvalue()
-
-
-@functools.cache
-def _bundle_source() -> str:
-    import circuitsvis
-
-    path = Path(circuitsvis.__file__).parent / "dist" / "cdn" / "iife.js"
-    return path.read_text(encoding="utf-8").replace(
-        "</script>", ""
-    )  # as circuitsvis' render_local inlines it
-
-
-def circuitsvis_bundle() -> str:
-    """circuitsvis' bundled JavaScript (``dist/cdn/iife.js``), as ``render_local`` inlines it.
-
-    Its ``sourceMappingURL`` comment is dropped so that a browser never asks for the map file.
-    """
-    return re.sub(r"//# sourceMappingURL=\S*\s*$", "", _bundle_source())
-
-
-def strip_circuitsvis_bundle(view_html: str) -> str:
-    """A circuitsvis ``local_src`` without its inlined bundle (the page carries the bundle once)."""
-    return view_html.replace(_bundle_source(), "")
 
 
 def _esc(text: Any) -> str:
@@ -89,9 +62,7 @@ def render_fragment(stage: Stage, out: StageOutput, files: list[str], seconds: f
             f"<figcaption>{_esc(name)}</figcaption></figure>"
         )
     for caption, view in out.views:
-        parts.append(
-            f'<div class="view"><p class="cap">{_esc(caption)}</p>{strip_circuitsvis_bundle(view)}</div>'
-        )
+        parts.append(_view_html(caption, view))
     for stem, df in out.tables.items():
         path = next((f for f in files if Path(f).stem == stem), f"{stem}.csv")
         parts.append(_table_html(df, path))
@@ -117,9 +88,19 @@ pre.err{background:#fbe3e3;padding:.5em;overflow:auto;font-size:.8em}
 """
 
 
+def _view_html(caption: str, src: str) -> str:
+    """A captioned circuitsvis view, without its copy of the bundle (:func:`html_document` adds it once)."""
+    from mechgeom.viz.views import strip_circuitsvis_bundle
+
+    return f'<div class="view"><p class="cap">{_esc(caption)}</p>{strip_circuitsvis_bundle(src)}</div>'
+
+
 def html_document(title: str, body: str) -> str:
-    """A self-contained page: inline CSS, and circuitsvis' bundle inlined once when ``body`` has a view."""
-    bundle = f"<script>{circuitsvis_bundle()}</script>" if "CircuitsVis." in body else ""
+    """A self-contained page: inline CSS, and circuitsvis' bundle inlined once when ``body`` has a view
+    (:func:`mechgeom.viz.views.circuitsvis_script`, as :func:`mechgeom.viz.save_html` writes it)."""
+    from mechgeom.viz.views import circuitsvis_script
+
+    bundle = circuitsvis_script(body)
     return f"""<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8"/>
 <meta name="viewport" content="width=device-width, initial-scale=1"/>
@@ -192,10 +173,7 @@ def contributions_html(
             else _filter_heads(result, layer, batch, heads)
         )
         parts.append(f"<section><h2>Layer {layer}</h2>")
-        for caption, src in panels_html(view):
-            parts.append(
-                f"<div class='view'><p class='cap'>{_esc(caption)}</p>{strip_circuitsvis_bundle(src)}</div>"
-            )
+        parts.extend(_view_html(caption, src) for caption, src in panels_html(view))
         parts.append("</section>")
     out = Path(path)
     with atomic_write(out) as f:

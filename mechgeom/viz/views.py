@@ -5,8 +5,9 @@
   weights) shown side by side as if they were attention heads.
 - :func:`token_view`: ``circuitsvis.tokens.colored_tokens``, the signed weight of each source token for one
   query.
-- :func:`save_html`: one self-contained offline HTML file (circuitsvis' bundled JavaScript, inlined; never the
-  unpkg CDN), written atomically.
+- :func:`save_html`: one self-contained offline HTML file (circuitsvis' bundled JavaScript inlined once, never
+  the unpkg CDN), written atomically. :func:`strip_circuitsvis_bundle` and :func:`circuitsvis_script` are
+  the two steps it shares with the report's page (:func:`mechgeom.report.html.html_document`).
 
 **Signed display.** Contribution weights can be negative and can exceed 1. Every view uses a diverging
 scale centred on 0: white at 0, :data:`POSITIVE_COLOR` (blue) for positive and :data:`NEGATIVE_COLOR` (red)
@@ -20,6 +21,7 @@ causal attention.
 
 from __future__ import annotations
 
+import functools
 import html
 import re
 from collections.abc import Sequence
@@ -75,11 +77,12 @@ class View:
     panels: list[tuple[str, _Rendered]] = field(default_factory=list)
 
     def _repr_html_(self) -> str:
-        return "".join(_panel_html(caption, part) for caption, part in self.panels)
+        # self-contained per view: each panel keeps its own copy of the bundle (local_src)
+        return "".join(_panel_html(caption, part.local_src) for caption, part in self.panels)
 
 
-def _panel_html(caption: str, part: _Rendered) -> str:
-    return f'<div class="mechgeom-panel"><p>{html.escape(caption)}</p>\n{part.local_src}\n</div>\n'
+def _panel_html(caption: str, src: str) -> str:
+    return f'<div class="mechgeom-panel"><p>{html.escape(caption)}</p>\n{src}\n</div>\n'
 
 
 # --------------------------------------------------------------------------- argument checks
@@ -253,8 +256,10 @@ def token_view(
 
 def save_html(view: View | _Rendered | Sequence[View], path: str | Path, *, title: str | None = None) -> Path:
     """Write ``view`` (a :class:`View`, a list of them, or a bare circuitsvis ``RenderedHTML``) as one
-    self-contained HTML file that works offline: each panel is circuitsvis' ``local_src``, which inlines its
-    bundled JavaScript; the CDN variant (``cdn_src``, an unpkg import) is never used.
+    self-contained HTML file that works offline: circuitsvis' bundled JavaScript once, in a classic
+    ``<script>`` in the head (:func:`circuitsvis_script`), then each panel's ``local_src`` without its own
+    copy of the bundle (:func:`strip_circuitsvis_bundle`): its ``<div>`` and its render call. The CDN
+    variant (``cdn_src``, an unpkg import) is never used.
 
     The file appears only when complete (:func:`mechgeom._io.atomic_write`); an error leaves no file.
     Raises ``ValueError`` if a panel would load a script from the network.
@@ -267,20 +272,58 @@ def save_html(view: View | _Rendered | Sequence[View], path: str | Path, *, titl
     else:
         views = list(view)  # type: ignore[arg-type]
     page_title = title or " | ".join(v.title for v in views)
+    chunks = []
+    for v in views:
+        chunks.append(f"<h2>{html.escape(v.title)}</h2>\n")
+        for caption, part in v.panels:
+            chunk = _panel_html(caption, strip_circuitsvis_bundle(part.local_src))
+            _check_offline(chunk)
+            chunks.append(chunk)
+    body = "".join(chunks)
+    script = circuitsvis_script(body)
+    _check_offline(script)
     path = Path(path)
     with atomic_write(path, "w") as f:
         f.write(
             '<!DOCTYPE html>\n<html>\n<head>\n<meta charset="utf-8">\n'
-            f"<title>{html.escape(page_title)}</title>\n</head>\n<body>\n"
+            f"<title>{html.escape(page_title)}</title>\n{script}</head>\n<body>\n"
         )
-        for v in views:
-            f.write(f"<h2>{html.escape(v.title)}</h2>\n")
-            for caption, part in v.panels:
-                chunk = _panel_html(caption, part)
-                _check_offline(chunk)
-                f.write(chunk)
+        f.write(body)
         f.write("</body>\n</html>\n")
     return path
+
+
+@functools.cache
+def _inlined_bundle() -> str:
+    """circuitsvis' ``dist/cdn/iife.js`` exactly as ``render_local`` inlines it into every ``local_src``."""
+    import circuitsvis
+
+    path = Path(circuitsvis.__file__).parent / "dist" / "cdn" / "iife.js"
+    return path.read_text(encoding="utf-8").replace("</script>", "")
+
+
+def circuitsvis_bundle() -> str:
+    """circuitsvis' bundled JavaScript (``dist/cdn/iife.js``) as ``render_local`` inlines it, without its
+    ``sourceMappingURL`` comment (a browser would ask for the map file)."""
+    return re.sub(r"//# sourceMappingURL=\S*\s*$", "", _inlined_bundle())
+
+
+def strip_circuitsvis_bundle(src: str) -> str:
+    """A circuitsvis ``local_src`` without its inlined copy of the bundle: the ``<div>`` and the
+    ``CircuitsVis.render`` call, for a page that loads the bundle once (:func:`circuitsvis_script`).
+
+    A panel that holds no copy of this bundle (not made by this circuitsvis' ``render_local``) is returned
+    unchanged: it still carries whatever it loads itself, so it works as before, only not smaller.
+    """
+    return src.replace(_inlined_bundle(), "")
+
+
+def circuitsvis_script(body: str) -> str:
+    """The bundle as one classic ``<script>`` for the ``<head>`` when ``body`` renders a circuitsvis view
+    (calls ``CircuitsVis.``), else ``""``. A classic script defines the global ``CircuitsVis`` (in a module
+    script it would stay module-scoped) before the panels' render calls, which are module scripts and so
+    run after the document is parsed."""
+    return f"<script>{circuitsvis_bundle()}</script>\n" if "CircuitsVis." in body else ""
 
 
 def _check_offline(chunk: str) -> None:

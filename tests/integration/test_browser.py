@@ -257,17 +257,38 @@ def test_report_renders_offline_in_chromium(quick_report: Path) -> None:
 
 
 def test_viz_html_renders_offline_in_chromium(tmp_path: Path) -> None:
-    # A page written by mechgeom.viz.save_html (circuitsvis local_src: the bundle inlined per panel).
+    # A page of several views written by mechgeom.viz.save_html: the bundle once, as a classic script in the
+    # head (a global CircuitsVis), then each panel's div and module-script render call.
     from conftest import make_tiny, random_tokens
 
     from mechgeom import contribution_weights, viz
 
     res = contribution_weights(make_tiny(n_kv=2), random_tokens(1, 9), layers=[1])
-    path = viz.save_html(
-        [viz.head_view(res, 1, 2), viz.token_view(res, 1, query=8, head=2)], tmp_path / "v.html"
-    )
+    views = [viz.head_view(res, 1, 2), viz.layer_view(res, 1), viz.token_view(res, 1, query=8, head=2)]
+    path = viz.save_html(views, tmp_path / "v.html")
+    assert path.read_text(encoding="utf-8").count("var CircuitsVis=") == 1
     page = render_page(path, SHOTS / "viz_view_chromium.png")
-    _assert_offline_render(page, min_views=2, global_bundle=False)  # module scripts: no global
+    _assert_offline_render(page, min_views=3, global_bundle=True)
+    assert page["check"]["views"] == 3
+
+
+def test_viz_repr_html_renders_offline_in_chromium(tmp_path: Path) -> None:
+    # What Jupyter shows for one View (View._repr_html_): each panel self-contained, its own bundle in its
+    # module script (so no global CircuitsVis).
+    from conftest import make_tiny, random_tokens
+
+    from mechgeom import contribution_weights, viz
+
+    res = contribution_weights(make_tiny(n_kv=2), random_tokens(1, 9), layers=[1])
+    path = tmp_path / "repr.html"
+    path.write_text(
+        "<!DOCTYPE html><html><head><meta charset='utf-8'></head><body>"
+        + viz.head_view(res, 1, 0)._repr_html_()
+        + "</body></html>",
+        encoding="utf-8",
+    )
+    page = render_page(path, tmp_path / "repr.png")
+    _assert_offline_render(page, min_views=1, global_bundle=False)
 
 
 def test_smollm2_head_html_renders_offline_in_chromium(smollm2: Any, tmp_path: Path) -> None:
@@ -281,7 +302,7 @@ def test_smollm2_head_html_renders_offline_in_chromium(smollm2: Any, tmp_path: P
         [viz.head_view(res, 5, 0), viz.token_view(res, 5, query=last, head=0)], tmp_path / "head_L5H0.html"
     )
     page = render_page(path, SHOTS / "smollm2_head_L5H0_chromium.png")
-    _assert_offline_render(page, min_views=2, global_bundle=False)
+    _assert_offline_render(page, min_views=2, global_bundle=True)
 
 
 def test_render_page_detects_a_network_request_and_an_error(tmp_path: Path) -> None:

@@ -13,6 +13,7 @@ from conftest import make_tiny, random_tokens
 
 from mechgeom.analyses.contribution import contribution_weights
 from mechgeom.viz import NEGATIVE_COLOR, POSITIVE_COLOR, View, head_view, layer_view, save_html, token_view
+from mechgeom.viz.views import circuitsvis_bundle, circuitsvis_script, strip_circuitsvis_bundle
 
 BUNDLE = Path(__import__("circuitsvis").__file__).parent / "dist" / "cdn" / "iife.js"
 
@@ -69,7 +70,8 @@ def test_saved_html_is_self_contained_and_offline(result, tmp_path) -> None:
     assert props["minValue"] == -1 and props["maxValue"] == 1 and props["maskUpperTri"] is True
     # a token that would close the inline <script> is defused
     text2 = save_html(token_view(result, 0, 8, head=1, batch=1), tmp_path / "tok.html").read_text()
-    assert text2.count("</script>") == 1 and "<\\u200b/script>" in text2  # JSON-escaped zero-width space
+    # (one </script> closes the page's bundle, one the panel's render call)
+    assert text2.count("</script>") == 2 and "<\\u200b/script>" in text2  # JSON-escaped zero-width space
 
 
 def test_save_html_writes_several_views_and_bare_rendered(result, tmp_path) -> None:
@@ -83,6 +85,66 @@ def test_save_html_writes_several_views_and_bare_rendered(result, tmp_path) -> N
     bare = RenderedHTML(local_src="<div>local</div>", cdn_src='<script src="https://unpkg.com/x"></script>')
     text = save_html(bare, tmp_path / "bare.html", title="bare").read_text()
     assert "<div>local</div>" in text and "unpkg" not in text
+
+
+def uuids(src: str) -> list[str]:
+    return re.findall(r'<div id="(circuits-vis-[^"]+)"', src)
+
+
+def test_save_html_inlines_the_bundle_once_per_file(result, tmp_path) -> None:
+    inlined = BUNDLE.read_text(encoding="utf-8").replace("</script>", "")  # as render_local inlines it
+    views = [
+        head_view(result, 1, 2),
+        layer_view(result, 0),
+        token_view(result, 1, 5),
+        token_view(result, 0, 8),
+    ]
+    parts = [part for v in views for _, part in v.panels]
+    assert all(inlined in p.local_src for p in parts)  # each panel alone carries the whole bundle
+    text = save_html(views, tmp_path / "four.html").read_text(encoding="utf-8")
+    assert text.count("var CircuitsVis=") == 1 and text.count(inlined[1000:3000]) == 1
+    # a classic script in the head (a global CircuitsVis), before every panel's module script
+    head, body = text.split("</head>")
+    assert re.search(r"<script>\s*\"use strict\";var CircuitsVis=", head)
+    assert 'type="module"' not in head and "sourceMappingURL" not in text
+    assert body.count('<script crossorigin type="module">') == len(parts) == 4
+    # every panel keeps its div and its render call, with the same props as its local_src
+    for p in parts:
+        (uuid,) = uuids(p.local_src)
+        assert body.count(f'<div id="{uuid}"') == 1
+        assert re.search(rf'CircuitsVis\.render\(\s*"{uuid}",\s*CircuitsVis\.\w+,', body)
+        assert strip_circuitsvis_bundle(p.local_src) in body
+    # the size: one bundle plus each panel's own text, not one bundle per view
+    stripped = sum(len(strip_circuitsvis_bundle(p.local_src)) for p in parts)
+    assert stripped < len(inlined) / 20
+    assert len(circuitsvis_bundle()) + stripped < len(text) < len(circuitsvis_bundle()) + stripped + 2000
+    one = save_html(views[0], tmp_path / "one.html").read_text(encoding="utf-8")
+    assert len(text) - len(one) < len(inlined) / 10  # three more views, far less than one more bundle
+    # Jupyter's _repr_html_ stays self-contained: each panel with its own copy
+    both = View("two", [*views[0].panels, *views[2].panels])
+    assert both._repr_html_().count(inlined) == 2 and inlined in views[1]._repr_html_()
+
+
+def test_save_html_keeps_a_panel_without_this_bundle_as_it_is(result, tmp_path) -> None:
+    # A panel not made by this circuitsvis' render_local (here: its own tiny CircuitsVis) is written
+    # unchanged, so it still works alone; the page adds the real bundle once for the other panels.
+    foreign_src = (
+        '<div id="circuits-vis-foreign"/><script type="module">var CircuitsVis={render(){}, Foo: 1};'
+        'CircuitsVis.render("circuits-vis-foreign", CircuitsVis.Foo, {})</script>'
+    )
+    assert strip_circuitsvis_bundle(foreign_src) == foreign_src
+    foreign = RenderedHTML(local_src=foreign_src, cdn_src="")
+    view = head_view(result, 1, 2)
+    text = save_html([view, View("foreign", [("", foreign)])], tmp_path / "mixed.html").read_text()
+    assert foreign_src in text and text.count("var CircuitsVis=(") == 1
+    (uuid,) = uuids(view.panels[0][1].local_src)
+    assert re.search(rf'CircuitsVis\.render\(\s*"{uuid}"', text)
+    alone = save_html(foreign, tmp_path / "foreign.html").read_text()
+    assert foreign_src in alone and alone.count("var CircuitsVis=") == 2  # its own, and the page's
+    # no circuitsvis view at all: no bundle
+    assert circuitsvis_script("<div>plain</div>") == ""
+    plain = save_html(RenderedHTML(local_src="<div>plain</div>", cdn_src=""), tmp_path / "plain.html")
+    assert "<script" not in plain.read_text() and plain.stat().st_size < 1000
 
 
 def test_save_html_is_atomic(result, tmp_path) -> None:
