@@ -316,3 +316,42 @@ def test_render_page_detects_a_network_request_and_an_error(tmp_path: Path) -> N
     assert any(u.startswith("https://unpkg.com/") for u in page["requests"])
     assert any("boom" in e for e in page["errors"])
     assert page["check"]["mounted"] == 0 and page["check"]["views"] == 1
+
+
+def test_viz_snapshot_draws_the_view_as_a_png(tmp_path: Path) -> None:
+    # mechgeom.viz.snapshot (the static picture the tutorials store under each live view): a real PNG of the
+    # rendered view, cropped below its content, whose pixels hold the view's blue and red weights.
+    import io
+
+    from conftest import make_tiny, random_tokens
+    from PIL import Image
+
+    from mechgeom import contribution_weights, viz
+    from mechgeom.viz.static import chromium
+
+    _chromium()  # skip without Chromium (a failure in CI)
+    assert chromium() is not None
+    res = contribution_weights(make_tiny(n_kv=2), random_tokens(1, 9), layers=[1])
+    view = viz.token_view(res, 1, query=8, head=2)
+    path = viz.snapshot(view, tmp_path / "token.png", width=800, height=3000)
+    img = Image.open(io.BytesIO(path.read_bytes())).convert("RGB")
+    assert img.width == 800 and 40 < img.height < 3000  # cropped well below the 3000 px window
+    colours = img.getcolors(maxcolors=1 << 20)
+    assert colours is not None
+    blue = sum(n for n, (r, g, b) in colours if b > r + 60)  # the positive weights' cells
+    assert blue > 100, "no blue cells: the view did not render"
+    assert not list(tmp_path.glob(".*.tmp")), "the PNG is written through a temporary file"
+
+
+def test_viz_snapshot_fails_clearly_without_chromium(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from conftest import make_tiny, random_tokens
+
+    from mechgeom import contribution_weights, viz
+    from mechgeom.viz import static
+
+    monkeypatch.delenv("MECHGEOM_CHROMIUM", raising=False)
+    monkeypatch.setattr(static.shutil, "which", lambda name: None)
+    res = contribution_weights(make_tiny(n_kv=2), random_tokens(1, 5), layers=[0])
+    with pytest.raises(RuntimeError, match="install it"):
+        viz.snapshot(viz.head_view(res, 0, 0), tmp_path / "x.png")
+    assert not (tmp_path / "x.png").exists()
