@@ -1,4 +1,7 @@
-"""Corpora and tasks shipped in ``data/`` (see ``data/SOURCES.md`` for provenance and licences).
+"""Corpora and tasks shipped inside the package, in ``mechgeom/data/files/``.
+
+The files travel in the wheel and are read with :mod:`importlib.resources`, so an installed mechgeom needs no
+source checkout. ``files/SOURCES.md`` gives the provenance of each file and ``files/LICENSES.md`` its licence.
 
 - :func:`load_corpus` cuts fixed-length token windows from WikiText-2 (test), GSM8K (test) or a C4 sample.
 - :func:`load_task` returns multiple-choice items (BoolQ dev sample, Winogrande dev, 16 MMLU subjects)
@@ -7,20 +10,27 @@
 >>> items = load_task("winogrande", n=2, seed=0)
 >>> len(items), len(items[0].choices)
 (2, 2)
+>>> (data_dir() / "SOURCES.md").is_file()
+True
 """
 
 from __future__ import annotations
 
 import csv
+import io
 import json
 import random
 from dataclasses import dataclass
+from importlib import resources
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
 from mechgeom.typing import Tokens
+
+if TYPE_CHECKING:
+    from importlib.resources.abc import Traversable
 
 __all__ = ["CORPORA", "TASKS", "TaskItem", "corpus_texts", "data_dir", "load_corpus", "load_task"]
 
@@ -30,19 +40,33 @@ Corpus = Literal["wikitext2", "gsm8k", "c4"]
 Task = Literal["boolq", "winogrande", "mmlu"]
 
 
+def _files() -> Traversable:
+    """The packaged data folder as an :mod:`importlib.resources` Traversable (also inside a zip)."""
+    return resources.files(__name__) / "files"
+
+
 def data_dir() -> Path:
-    """The ``data/`` folder of the source checkout (where the README's install puts it)."""
-    here = Path(__file__).resolve().parent.parent / "data"
-    if not here.is_dir():
+    """The packaged data folder, ``mechgeom/data/files/`` inside the installed package, as a ``Path``.
+
+    It holds the corpora, the tasks, ``SOURCES.md`` and ``LICENSES.md``. Raises ``FileNotFoundError``
+    when the folder is missing, or when mechgeom is imported from a zip archive (then the files have no
+    path of their own; the loaders still read them through :mod:`importlib.resources`).
+    """
+    root = _files()
+    if not isinstance(root, Path):
         raise FileNotFoundError(
-            f"mechgeom's data folder is missing at {here}; install mechgeom from its source checkout "
-            "(pip install -e .) so that data/ sits beside the package"
+            f"mechgeom's data files are inside an archive ({root}), so they have no path of their own; "
+            "read them with importlib.resources.files('mechgeom.data') / 'files'"
         )
-    return here
+    if not root.is_dir():
+        raise FileNotFoundError(
+            f"mechgeom's data folder is missing at {root}; reinstall mechgeom (its wheel carries the data)"
+        )
+    return root
 
 
-def _read_jsonl(path: Path) -> list[dict[str, Any]]:
-    with path.open(encoding="utf-8") as f:
+def _read_jsonl(path: Traversable) -> list[dict[str, Any]]:
+    with path.open("r", encoding="utf-8") as f:
         return [json.loads(line) for line in f if line.strip()]
 
 
@@ -52,7 +76,7 @@ def corpus_texts(corpus: str) -> list[str]:
     WikiText-2 is split into articles at its `` = Title = `` headings; GSM8K documents are
     ``question + answer``; C4 documents are the sample's ``text`` fields.
     """
-    root = data_dir()
+    root = _files()
     if corpus == "wikitext2":
         text = (root / "wikitext2_raw_test.txt").read_text(encoding="utf-8")
         docs: list[list[str]] = []
@@ -147,9 +171,11 @@ class TaskItem:
 
 def _mmlu_items() -> list[TaskItem]:
     items: list[TaskItem] = []
-    for path in sorted((data_dir() / "mmlu" / "test").glob("*_test.csv")):
+    paths = [p for p in (_files() / "mmlu" / "test").iterdir() if p.name.endswith("_test.csv")]
+    for path in sorted(paths, key=lambda p: p.name):
         subject = path.name.removesuffix("_test.csv")
-        with path.open(encoding="utf-8", newline="") as f:
+        # bytes, then no newline translation: the same rows as open(newline="") (fields may hold newlines)
+        with io.StringIO(path.read_bytes().decode("utf-8"), newline="") as f:
             for row in csv.reader(f):
                 q, a, b, c, d, gold = row
                 prompt = (
@@ -170,7 +196,7 @@ def load_task(task: str, *, n: int | None = 100, seed: int = 0) -> list[TaskItem
       text before the blank, each choice is ``option + rest``).
     - ``mmlu``: zero-shot, choices ``" A"``..``" D"``.
     """
-    root = data_dir()
+    root = _files()
     items: list[TaskItem]
     if task == "boolq":
         items = [
