@@ -42,6 +42,7 @@ from mechgeom.analyses.taxonomy import TaxonomyCollector, classify_heads, classi
 from mechgeom.hooks import (
     LayerCollector,
     ablate_value_hook,
+    collect,
     head_ablation_hooks,
     mask_sources_hook,
     masking_hooks,
@@ -69,6 +70,7 @@ __all__ = [
     "ablate_value_hook",
     "classify_heads",
     "classify_heads_from_cache",
+    "collect",
     "contribution_overview",
     "contribution_weights",
     "contribution_weights_from_cache",

@@ -220,11 +220,17 @@ class ContributionCollector:
     Use ``collector.fwd_hooks`` with ``model.run_with_hooks``, ``model.hooks(...)`` or next to
     ``run_with_cache``; after the pass, :meth:`result` returns a :class:`ContributionResult`. With
     ``on_layer`` given, each layer's metrics go to that callback instead and nothing is stored
-    (``{"intra": {...}, "inter": {...}}`` per layer), so memory stays at one layer's worth; with
-    ``reuse_buffers=True`` as well, every layer is written into the same tensors (no fresh memory per
-    layer), so the callback must copy whatever it keeps. Without ``on_layer``, the metrics are written
-    straight into the ``[batch, layer, ...]`` tensors of the result (no second copy). :meth:`result` takes
-    the analysed tokens (optional) and derives their strings from the model's tokenizer.
+    (``{"intra": {...}, "inter": {...}}`` per layer), so memory stays at one layer's worth. Without
+    ``on_layer``, the metrics are written straight into the ``[batch, layer, ...]`` tensors of the result
+    (no second copy). :meth:`result` takes the analysed tokens (optional) and derives their strings from
+    the model's tokenizer.
+
+    **Recycled buffers (the on_layer contract).** After ``on_layer`` returns, each metric tensor it was
+    given is written again for the next layer *unless the callback kept a reference to it or to any view
+    of it* (checked on the tensor's storage), so a callback that reduces or writes out its layer costs no
+    fresh memory per layer, and one that keeps tensors (or views) gets fresh ones next time. A clone is
+    always safe to keep. ``reuse_buffers=True`` recycles unconditionally (the callback must copy what it
+    keeps); it is no longer needed for speed.
 
     >>> import torch
     >>> from transformer_lens.config import TransformerBridgeConfig
@@ -265,7 +271,8 @@ class ContributionCollector:
         self._intra: dict[int, dict[str, Tensor]] = {}
         self._inter: dict[int, dict[str, Tensor]] = {}
         self._modified: dict[int, tuple[Tensor, Tensor]] = {}  # layer -> (modified [b h q], share [b h q])
-        self._buffers: tuple[dict[str, Tensor], dict[str, Tensor]] | None = None
+        self._buffers: tuple[dict[str, Tensor], dict[str, Tensor]] = ({}, {})  # recycled (on_layer)
+        self._versions: dict[tuple[int, str], int] = {}  # buffer -> its _version when last written
         self._store: tuple[dict[str, Tensor], dict[str, Tensor]] | None = None
         self._after_layer: Callable[[int], Any] | None = None  # progress of contribution_weights
 
@@ -279,16 +286,14 @@ class ContributionCollector:
         intra_metrics = [m for m in self.intra_metrics if m != "attention"]
         dtype = acts.pattern.dtype
         if self.user_on_layer is not None:
-            if not self.reuse_buffers:
-                return {}, {}
             bufs = self._buffers
-            if bufs is None or any(t.shape != (B, H, Q, Q) for t in bufs[0].values()):
-                new = acts.pattern.new_empty
-                bufs = (
-                    {m: new((B, H, Q, Q)) for m in intra_metrics},
-                    {m: new((B, Q, Q)) for m in self.inter_metrics},
-                )
-                self._buffers = bufs
+            p = acts.pattern
+            for kind, names, shape in ((0, intra_metrics, (B, H, Q, Q)), (1, self.inter_metrics, (B, Q, Q))):
+                for m in names:
+                    t = bufs[kind].get(m)
+                    if t is None or t.shape != shape or t.dtype != dtype or t.device != p.device:
+                        bufs[kind][m] = p.new_empty(shape)
+                        self._versions.pop((kind, m), None)
             return bufs
         if acts.pattern.device != self.store_device:
             return {}, {}
@@ -305,12 +310,40 @@ class ContributionCollector:
         li = self.layers.index(acts.layer)
         return ({m: t[:, li] for m, t in store[0].items()}, {m: t[:, li] for m, t in store[1].items()})
 
+    def _zeroed(self, out_intra: dict[str, Tensor], out_inter: dict[str, Tensor]) -> bool:
+        """Whether every recycled buffer is exactly as this collector last wrote it (0 above the blocks)."""
+        if self.user_on_layer is None or not self._versions:
+            return False
+        for kind, bufs in enumerate((out_intra, out_inter)):
+            for m, t in bufs.items():
+                if self._versions.get((kind, m)) != t._version:
+                    return False
+        return True
+
+    def _written(self) -> None:
+        """Note each buffer's version once this collector has written it (before the callback sees it)."""
+        for kind, bufs in enumerate(self._buffers):
+            for m, t in bufs.items():
+                self._versions[(kind, m)] = t._version
+
+    def _recycle(self) -> None:
+        """Keep for the next layer the buffers nobody else holds (see "Recycled buffers"); drop the rest."""
+        for kind, bufs in enumerate(self._buffers):
+            for m in list(bufs):
+                if not (self.reuse_buffers or _sole_owner(bufs[m])):
+                    del bufs[m]  # the callback kept it (or a view): never write into it again
+                    self._versions.pop((kind, m), None)
+
     def _on_layer(self, acts: LayerActivations) -> None:
         geo = LayerGeometry.from_activations(acts)
         out_intra, out_inter = self._out_tensors(acts)
         with torch.no_grad():
             intra, inter = geo.compute(
-                self.intra_metrics, self.inter_metrics, out_intra=out_intra, out_inter=out_inter
+                self.intra_metrics,
+                self.inter_metrics,
+                out_intra=out_intra,
+                out_inter=out_inter,
+                zeroed=self._zeroed(out_intra, out_inter),
             )
             if "attention" in out_intra:
                 intra["attention"] = out_intra["attention"].copy_(intra["attention"])
@@ -325,9 +358,14 @@ class ContributionCollector:
                 modified = geo.modified.to(self.store_device)
                 share = geo.modified_share.to(self.store_device)
         if self.user_on_layer is not None:
-            self.user_on_layer(
-                acts.layer, {"intra": intra, "inter": inter, "modified": modified, "modified_share": share}
-            )
+            payload = {"intra": intra, "inter": inter, "modified": modified, "modified_share": share}
+            del geo, intra, inter, out_intra, out_inter
+            self._written()
+            try:
+                self.user_on_layer(acts.layer, payload)
+            finally:
+                del payload
+                self._recycle()
         else:
             self._intra[acts.layer] = intra
             self._inter[acts.layer] = inter
@@ -370,6 +408,19 @@ class ContributionCollector:
             modified=torch.stack([self._modified[la][0] for la in self.layers], dim=1),
             modified_share=torch.stack([self._modified[la][1] for la in self.layers], dim=1),
         )
+
+
+def _sole_owner(t: Tensor) -> bool:
+    """Whether ``t`` is the only tensor that holds its storage (no other reference, no view of it).
+
+    Counts the holders of the storage itself, so a view the caller kept is seen as well as the tensor.
+    Where this PyTorch does not expose the count, ``False`` (never recycle a tensor that may be held).
+    """
+    use_count = getattr(torch._C, "_storage_Use_Count", None)
+    if use_count is None:
+        return False
+    storage = t.untyped_storage()
+    return int(use_count(storage._cdata)) <= 2  # this tensor, and the ``storage`` object just made
 
 
 def _str_tokens(model: Any, tokens: Tokens) -> list[list[str]] | None:

@@ -119,8 +119,9 @@ class LayerGeometry:
 
     @cached_property
     def wo_gram(self) -> Float[Tensor, "head_index d_head d_head2"]:
-        """``M[h] = W_O[h] @ W_O[h].T``, so that ``<x @ W_O[h], y @ W_O[h]> = x M[h] y`` (:func:`mechgeom.maths.wo_gram`)."""
-        return maths.wo_gram(self.W_O)
+        """``M[h] = W_O[h] @ W_O[h].T``, so that ``<x @ W_O[h], y @ W_O[h]> = x M[h] y`` (:func:`mechgeom.maths.wo_gram`:
+        the diagonal blocks of :attr:`wo_gram_full`)."""
+        return einops.rearrange(torch.diagonal(self.wo_gram_full, dim1=0, dim2=2), "d e h -> h d e")
 
     @cached_property
     def head_u(self) -> Float[Tensor, "batch pos head_index d_head"]:
@@ -179,9 +180,21 @@ class LayerGeometry:
 
     @cached_property
     def gram(self) -> Float[Tensor, "batch key_pos head_index head_index2"]:
-        """``G_j[h,g] = <vt[j,h], vt[j,g]>``, the per-token ``[head, head]`` Gram matrix."""
-        vt = self.projected_values
-        return einops.einsum(vt, vt, "b k h m, b k g m -> b k h g")
+        """``G_j[h,g] = <vt[j,h], vt[j,g]> = v[j,h] M[h,:,g,:] v[j,g]``, the per-token ``[head, head]`` Gram matrix.
+
+        Computed in ``d_head`` from :attr:`wo_gram_full`, one head ``h`` at a time against heads
+        ``g >= h`` (``G`` is symmetric), so no ``d_model`` vector of a token is ever formed.
+        """
+        B, K, H, D = self.v.shape
+        v = self.v.reshape(B * K, H, D)
+        m = self.wo_gram_full.reshape(H, D, H * D)  # [h d (g e)]
+        out = v.new_empty((B * K, H, H))
+        for h in range(H):
+            y = v[:, h] @ m[h, :, h * D :]  # [BK (g e)], g >= h: v[j,h] M[h,:,g,:]
+            g = (y.view(B * K, H - h, D) * v[:, h:]).sum(-1)  # [BK g]
+            out[:, h, h:] = g
+            out[:, h + 1 :, h] = g[:, 1:]
+        return out.view(B, K, H, H)
 
     # ---- the metrics of SPEC.md §A, one function each (the formula is in the block kernels below)
     def attention(self) -> HeadScores:
@@ -257,43 +270,51 @@ class LayerGeometry:
         *,
         out_intra: dict[str, Tensor] | None = None,
         out_inter: dict[str, Tensor] | None = None,
+        zeroed: bool = False,
     ) -> tuple[dict[str, HeadScores], dict[str, LayerScores]]:
         """Several metrics in one blocked sweep: ``({intra name: [b h q k]}, {inter name: [b q k]})``.
 
         ``out_intra`` / ``out_inter`` optionally give tensors (or views) of the right shape to write the
         metrics into, e.g. to reuse memory across layers; the returned tensors are then those.
+        ``zeroed=True`` promises that those tensors already hold 0 wherever a block of queries
+        ``q0:q1`` meets the keys after it (``key >= q1``), e.g. because they hold an earlier layer's
+        metrics of the same shape, untouched since; those entries are then not written again.
         """
         keys = [m for m in intra if m != "attention"]
         keys += [_inter_key(m) for m in inter]
         buffers = dict(out_intra or {})
         buffers.update({_inter_key(m): t for m, t in (out_inter or {}).items()})
-        self._sweep([k for k in keys if k not in self._metrics], buffers)
+        self._sweep([k for k in keys if k not in self._metrics], buffers, zeroed=zeroed)
         return {m: self.intra(m) for m in intra}, {m: self.inter(m) for m in inter}
 
-    def _sweep(self, keys: Sequence[str], buffers: dict[str, Tensor] | None = None) -> None:
+    def _sweep(
+        self, keys: Sequence[str], buffers: dict[str, Tensor] | None = None, *, zeroed: bool = False
+    ) -> None:
         """Compute ``keys`` into ``self._metrics``, one block of queries ``q0:q1`` at a time against keys ``0:q1``.
 
-        Shared products are arranged so that each output costs one pass per block: with
+        Shared products are arranged so that each output is written once per block: with
         ``u[i,h] = o[i,h] @ W_O[h].T`` scaled by ``1/‖o[i,h]‖`` and ``v[j,h]`` by ``1/‖vt[j,h]‖``, one matmul
-        gives ``cos``; then ``c = (alpha ‖vt‖/‖o‖) * cos``. With ``o[i] @ W_O[h].T`` scaled by ``1/‖o[i]‖²``,
+        gives ``cos``; the ratio ``‖vt‖/‖o‖`` is an outer product, ``alpha * ratio`` the normalised value
+        weight and ``(alpha ratio) * cos`` the contribution. With ``o[i] @ W_O[h].T`` scaled by ``1/‖o[i]‖²``,
         one matmul times ``alpha`` gives the head shares, whose sum over heads is ``c[i,j]``.
         """
         if not keys:
             return
         with torch.no_grad():
-            self._sweep_blocks(set(keys), buffers or {})
+            self._sweep_blocks(set(keys), buffers or {}, zeroed=zeroed and buffers is not None)
 
-    def _sweep_blocks(self, want: set[str], buffers: dict[str, Tensor]) -> None:
+    def _sweep_blocks(self, want: set[str], buffers: dict[str, Tensor], *, zeroed: bool) -> None:
         alpha = self.pattern
         B, H, Q, _ = alpha.shape
         need_cos = bool(want & {"factor_cos", "contribution"})
         need_vwn = bool(want & {"value_weighted_normalized", "contribution"})
-        need_vw = need_vwn or "value_weighted" in want
+        need_ratio = need_vwn or "factor_norm_ratio" in want
         need_share = bool(want & {"head_share", "contribution_inter"})
         need_vwi = bool(want & {"value_weighted_inter", "value_weighted_normalized_inter"})
-        need_oh = need_cos or need_vwn or "factor_norm_ratio" in want
+        need_oh = need_cos or need_ratio
 
         out = {}
+        fresh = set()
         for k in want:
             shape = (B, Q, Q) if k.endswith("_inter") else (B, H, Q, Q)
             buf = buffers.get(k)
@@ -301,9 +322,12 @@ class LayerGeometry:
                 raise ValueError(
                     f"buffer for {k!r} is {tuple(buf.shape)} {buf.dtype}, need {shape} {alpha.dtype}"
                 )
+            if buf is None:
+                fresh.add(k)
             out[k] = alpha.new_empty(shape) if buf is None else buf
+        to_zero = list(out.values()) if not zeroed else [out[k] for k in fresh]
         vt_norm = (
-            self.vt_norm[:, :, None, :] if (need_vw or "factor_norm_ratio" in want) else None
+            self.vt_norm[:, :, None, :] if (need_ratio or "value_weighted" in want) else None
         )  # [b h 1 k]
         mod = self.modified  # [b h q] or None
         keep = None if mod is None else (~mod).to(alpha.dtype)[..., None]  # [b h q 1]
@@ -330,6 +354,8 @@ class LayerGeometry:
         nan_l = inv_ol.isnan().any(0) if inv_ol is not None else torch.zeros(Q, dtype=torch.bool)
         nan_m = mod.any((0, 1)) if mod is not None else torch.zeros(Q, dtype=torch.bool)
         nan_rows = (nan_h.cpu() | nan_l.cpu() | nan_m.cpu()).tolist()
+        bs = min(self.block_size, Q)
+        upper = torch.ones(bs, bs, dtype=torch.bool, device=alpha.device).triu_(1)  # key > query in a block
 
         for q0 in range(0, Q, self.block_size):
             q1 = min(q0 + self.block_size, Q)
@@ -338,19 +364,18 @@ class LayerGeometry:
             def dst(key: str, q0: int = q0, q1: int = q1) -> Tensor | None:
                 return out[key][..., q0:q1, :q1] if key in out else None
 
-            if need_vw:
+            if "value_weighted" in want:
                 assert vt_norm is not None
                 vw = _value_weighted(a, vt_norm[..., :q1], out=dst("value_weighted"))
                 if mod is not None:
                     vw.masked_fill_(mod[:, :, q0:q1, None], float("nan"))
-            if need_vwn:
-                assert inv_oh is not None
-                vwn = _value_weighted_normalized(
-                    vw, inv_oh[:, :, q0:q1], out=dst("value_weighted_normalized")
-                )
-            if "factor_norm_ratio" in want:
+            if need_ratio:
                 assert vt_norm is not None and inv_oh is not None
-                _factor_norm_ratio(vt_norm[..., :q1], inv_oh[:, :, q0:q1], out=dst("factor_norm_ratio"))
+                ratio = _factor_norm_ratio(
+                    vt_norm[..., :q1], inv_oh[:, :, q0:q1], out=dst("factor_norm_ratio")
+                )
+            if need_vwn:
+                vwn = _value_weighted_normalized(a, ratio, out=dst("value_weighted_normalized"))
             if need_cos:
                 cos = _factor_cos(u_cos[:, :, q0:q1], v_cos[..., :q1], out=dst("factor_cos"))
             if "contribution" in want:
@@ -371,10 +396,12 @@ class LayerGeometry:
                 )
 
             # not sources: keys after the block, and the block's own upper triangle (key > query)
-            for t in out.values():
-                t[..., q0:q1, q1:] = 0
+            if q1 < Q:
+                for t in to_zero:
+                    t[..., q0:q1, q1:].zero_()
+            tri = upper[: q1 - q0, : q1 - q0]
             for t in factors + (others if any(nan_rows[q0:q1]) else []):
-                t[..., q0:q1, q0:q1].tril_()
+                t[..., q0:q1, q0:q1].masked_fill_(tri, 0)
         self._metrics.update(out)
 
 
@@ -390,9 +417,10 @@ def _value_weighted(alpha: Tensor, vt_norm: Tensor, out: Tensor | None) -> Tenso
     return torch.mul(alpha, vt_norm, out=out)
 
 
-def _value_weighted_normalized(vw: Tensor, inv_o: Tensor, out: Tensor | None) -> Tensor:
-    """``alpha[h,i,j] * ‖vt[j,h]‖ / ‖o[i,h]‖`` (``inv_o = 1/‖o[i,h]‖``, NaN where ``‖o[i,h]‖ = 0``)."""
-    return torch.mul(vw, inv_o, out=out)
+def _value_weighted_normalized(alpha: Tensor, ratio: Tensor, out: Tensor | None) -> Tensor:
+    """``alpha[h,i,j] * ‖vt[j,h]‖ / ‖o[i,h]‖ = alpha * ratio`` (``ratio = ‖vt[j,h]‖ / ‖o[i,h]‖``, NaN where
+    ``‖o[i,h]‖ = 0``)."""
+    return torch.mul(alpha, ratio, out=out)
 
 
 def _factor_norm_ratio(vt_norm: Tensor, inv_o: Tensor, out: Tensor | None) -> Tensor:

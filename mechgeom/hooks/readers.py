@@ -267,7 +267,13 @@ MODIFIED_RTOL = {torch.float64: 1e-9, torch.float32: 1e-4}
 
 
 def modified_mask(
-    pattern: Pattern, v: Values, z: Z, *, rtol: float | None = None
+    pattern: Pattern,
+    v: Values,
+    z: Z,
+    *,
+    rtol: float | None = None,
+    causal: bool = False,
+    block_size: int = 128,
 ) -> Bool[Tensor, "batch head_index query_pos"]:
     """Where an earlier hook changed ``z``: ``True`` at ``(b, h, i)`` when ``z[i,h] != sum_j alpha[h,i,j] v[j,h]``.
 
@@ -275,7 +281,10 @@ def modified_mask(
     ``‖z[i,h] − sum_j alpha[h,i,j] v[j,h]‖ > rtol * (sum_j alpha[h,i,j] ‖v[j,h]‖ + ‖z[i,h]‖)``. The scale on the
     right bounds the rounding error of the sum itself, so the test is independent of the units of ``v`` and
     holds for near-zero outputs; ``rtol`` defaults to :data:`MODIFIED_RTOL` for the dtype (1e-4 in float32).
-    ``v`` is GQA-expanded. The cost is that of one attention product per layer.
+    ``v`` is GQA-expanded. The cost is that of one attention product per layer: both sums come from one
+    product of ``alpha`` with ``[v, ‖v‖]``. ``causal=True`` (a decoder's pattern, 0 above the diagonal)
+    takes it ``block_size`` queries at a time against only the keys those queries can see, about half the
+    work; a pattern with weight above the diagonal then reads as modified wherever that weight matters.
 
     >>> p = torch.tensor([[[[1.0, 0.0], [0.5, 0.5]]]])  # [b h q k]
     >>> v = torch.tensor([[[[1.0]], [[3.0]]]])  # [b k h d]
@@ -284,9 +293,17 @@ def modified_mask(
     ([[[False, False]]], [[[True, True]]])
     """
     tol = MODIFIED_RTOL.get(z.dtype, 1e-2) if rtol is None else float(rtol)
-    mixed = einops.einsum(pattern, v.to(pattern.dtype), "b h q k, b k h d -> b h q d")
+    v_h = einops.rearrange(v.to(pattern.dtype), "b k h d -> b h k d")
+    v_aug = torch.cat([v_h, v_h.norm(dim=-1, keepdim=True)], dim=-1)  # [b h k d+1]
+    B, H, Q, K = pattern.shape
+    sums = pattern.new_empty((B, H, Q, v_aug.shape[-1]))  # [b h q d+1]: sum_j alpha v_j, sum_j alpha ‖v_j‖
+    step = max(1, int(block_size)) if causal and Q == K else Q
+    for q0 in range(0, Q, step):
+        q1 = min(q0 + step, Q)
+        keys = q1 if step < Q else K
+        torch.matmul(pattern[:, :, q0:q1, :keys], v_aug[:, :, :keys], out=sums[:, :, q0:q1])
+    mixed, scale = sums[..., :-1], sums[..., -1]
     z_h = einops.rearrange(z, "b q h d -> b h q d").to(mixed.dtype)
-    scale = einops.einsum(pattern, v.norm(dim=-1).to(pattern.dtype), "b h q k, b k h -> b h q")
     return (z_h - mixed).norm(dim=-1) > tol * (scale + z_h.norm(dim=-1))
 
 
@@ -373,6 +390,8 @@ class LayerCollector:
         self.on_layer = on_layer
         self.detach = detach
         self.modified_rtol = modified_rtol
+        #: The pattern is a decoder's (0 above the diagonal), unless the config says it is bidirectional.
+        self.causal = getattr(getattr(model, "cfg", None), "attention_dir", "causal") != "bidirectional"
         self._pending: dict[int, dict[str, Tensor]] = {}
         self.captured: dict[int, LayerActivations] = {}
 
@@ -384,7 +403,9 @@ class LayerCollector:
             del self._pending[layer]
             v = expand_kv(slot["v"], int(self.model.cfg.n_heads))
             with torch.no_grad():
-                modified = modified_mask(slot["pattern"], v, slot["z"], rtol=self.modified_rtol)
+                modified = modified_mask(
+                    slot["pattern"], v, slot["z"], rtol=self.modified_rtol, causal=self.causal
+                )
             acts = LayerActivations(
                 layer=layer,
                 pattern=slot["pattern"],
@@ -462,23 +483,100 @@ def run_batches(
         run_hooks(model, batch, fwd_hooks, stop_at_layer=stop_at_layer)
 
 
+def _shareable(collector: Any) -> LayerCollector | None:
+    """The collector's :class:`LayerCollector` when its ``fwd_hooks`` are exactly that reader's hooks."""
+    lc = getattr(collector, "collector", None)
+    if type(lc) is not LayerCollector or lc.on_layer is None:
+        return None
+    mine = [(n, getattr(f, "func", None), getattr(f, "keywords", None)) for n, f in collector.fwd_hooks]
+    return lc if mine == [(n, f.func, f.keywords) for n, f in lc.fwd_hooks] else None  # type: ignore[attr-defined]
+
+
+def _shared_reader(readers: Sequence[LayerCollector]) -> LayerCollector:
+    """One reader over the union of layers that hands each layer's activations (GQA expansion and the
+    modified-``z`` check done once) to every reader's ``on_layer`` that wants that layer, in order."""
+
+    def on_layer(acts: LayerActivations) -> None:
+        for r in readers:
+            if acts.layer in r.layers:
+                r.on_layer(acts)  # type: ignore[misc]
+
+    first = readers[0]
+    layers = sorted({la for r in readers for la in r.layers})
+    return LayerCollector(
+        first.model, layers, on_layer, detach=first.detach, modified_rtol=first.modified_rtol
+    )
+
+
 def collect(
     model: Any,
-    tokens: Tokens,
-    collector: Any,
+    tokens: TokensOrText,
+    collectors: Any,
     *,
-    batch_size: int,
+    batch_size: int = 8,
     extra_hooks: Sequence[FwdHook] = (),
     desc: str = "batches",
     verbose: bool = False,
 ) -> Any:
-    """Run a collector (``.fwd_hooks``, ``.layers``, ``.result(tokens)``) over ``tokens`` in batches, with
-    ``extra_hooks`` attached before its readers, stopping after its last layer; returns its result."""
-    layers = getattr(collector, "layers", None)
-    stop = max(layers) + 1 if layers else None
-    hooks = [*extra_hooks, *collector.fwd_hooks]
+    """Feed one collector or several (``.fwd_hooks``, ``.result(tokens)``, optionally ``.layers``) from ONE
+    forward pass per batch of ``batch_size`` texts; returns the result, or a list of them in order.
+
+    ``extra_hooks`` (interventions) come first, then the readers; the pass stops after the last layer any
+    collector reads (it runs to the end when one has no ``.layers``). Collectors that each wrap a
+    :class:`LayerCollector` (``.collector``, their only hooks) with the same model and ``modified_rtol``
+    share one reader: GQA expansion and :func:`modified_mask` run once per layer, not once per collector,
+    and each gets the same :class:`LayerActivations`. Others (e.g. a collector that also carries another's
+    hooks) are attached as they are. No hook stays attached, also when a collector raises. Raises
+    ``ValueError`` for an empty list or a collector given twice and ``TypeError`` for an object without
+    ``fwd_hooks``.
+
+    >>> import torch
+    >>> from transformer_lens.config import TransformerBridgeConfig
+    >>> from transformer_lens.model_bridge import TransformerBridge
+    >>> from mechgeom import SinkCollector, TaxonomyCollector
+    >>> cfg = TransformerBridgeConfig(n_layers=2, d_model=8, n_ctx=8, d_head=4, n_heads=2,
+    ...                               attn_only=True, d_vocab=10, seed=0)
+    >>> model = TransformerBridge.boot_native(cfg)  # works on TransformerLens 3.x and 4.x
+    >>> tokens = torch.tensor([[1, 2, 3, 4], [4, 3, 2, 1], [5, 6, 7, 8]])
+    >>> sinks, labels = collect(model, tokens, [SinkCollector(model), TaxonomyCollector(model)], batch_size=2)
+    >>> tuple(sinks.sink_rate.shape), len(labels.to_frame())  # [text, layer, head], one row per head
+    ((3, 2, 2), 4)
+    """
+    many = not hasattr(collectors, "fwd_hooks")
+    if many and (isinstance(collectors, str | bytes) or not isinstance(collectors, Sequence)):
+        raise TypeError(f"expected a collector or a sequence of them, got {type(collectors).__name__}")
+    cols = list(collectors) if many else [collectors]
+    if not cols:
+        raise ValueError("no collectors given: pass a collector or a non-empty sequence of them")
+    for i, c in enumerate(cols):
+        if not hasattr(c, "fwd_hooks") or not callable(getattr(c, "result", None)):
+            raise TypeError(f"collectors[{i}] ({type(c).__name__}) is not a collector: no fwd_hooks/result")
+    if len({id(c) for c in cols}) < len(cols):
+        raise ValueError("the same collector is given twice: it would read every layer twice")
+    tokens = to_tokens(model, tokens, what="collect")
+    layer_sets = [getattr(c, "layers", None) for c in cols]
+    stop = None if not all(layer_sets) else 1 + max(max(ls) for ls in layer_sets)  # type: ignore[arg-type]
+    groups: dict[tuple[int, float | None, bool], list[LayerCollector]] = {}
+    order: list[Any] = []  # a collector's own hooks, or the key of a group of shared readers
+    for c in cols:
+        lc = _shareable(c)
+        if lc is None:
+            order.append(list(c.fwd_hooks))
+            continue
+        key = (id(lc.model), lc.modified_rtol, lc.detach)
+        if key not in groups:
+            order.append(key)
+        groups.setdefault(key, []).append(lc)
+    hooks = list(extra_hooks)
+    for item in order:
+        if isinstance(item, list):
+            hooks += item
+        else:
+            readers = groups[item]
+            hooks += (readers[0] if len(readers) == 1 else _shared_reader(readers)).fwd_hooks
     run_batches(model, tokens, hooks, batch_size=batch_size, stop_at_layer=stop, desc=desc, verbose=verbose)
-    return collector.result(tokens)
+    results = [c.result(tokens) for c in cols]
+    return results if many else results[0]
 
 
 def has_hooks(model: Any) -> bool:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import weakref
 from functools import partial
 from types import SimpleNamespace
 
@@ -15,6 +16,7 @@ from reference_contribution import acts_of, assert_all_metrics_match, brute_forc
 from transformer_lens.patching import layer_head_pattern_patch_setter, layer_head_vector_patch_setter
 
 from mechgeom.analyses.contribution import (
+    BLOCK_SIZE,
     INTER_METRICS,
     INTRA_METRICS,
     ContributionCollector,
@@ -520,6 +522,64 @@ def test_streaming_with_reused_buffers_and_result_written_in_place() -> None:
     geo = LayerGeometry(alpha, expand_kv(v, 4), z, model.W_O[0].detach())
     with pytest.raises(ValueError, match="buffer for 'contribution'"):
         geo.compute(["contribution"], [], out_intra={"contribution": torch.empty(2, 4, 9, 8)})
+
+
+def test_streamed_buffers_are_recycled_only_when_the_callback_keeps_nothing() -> None:
+    # more queries than one block (BLOCK_SIZE), so recycled buffers skip the zeros after each block
+    model = make_tiny(n_layers=3, n_kv=2, n_ctx=300, seed=45)
+    tokens = random_tokens(2, BLOCK_SIZE + 70, seed=46)
+    full = contribution_weights(model, tokens)
+
+    def check(layer: int, intra: dict, inter: dict) -> None:
+        for name in INTRA_METRICS:
+            assert torch.equal(intra[name].nan_to_num(7.0), full.intra[name][:, layer].nan_to_num(7.0)), name
+        for name in INTER_METRICS:
+            assert torch.equal(inter[name].nan_to_num(7.0), full.inter[name][:, layer].nan_to_num(7.0)), name
+
+    # 1. a callback that reduces (keeps nothing): the same tensors come back every layer (a weak
+    #    reference does not keep a tensor alive, so the first layer's tensor lives on only if recycled)
+    refs: list[weakref.ref] = []
+
+    def reduce(layer: int, m: dict) -> None:
+        refs.append(weakref.ref(m["intra"]["contribution"]))
+        check(layer, m["intra"], m["inter"])
+
+    col = ContributionCollector(model, on_layer=reduce)
+    run_hooks(model, tokens, col.fwd_hooks)
+    assert len(refs) == 3 and refs[0]() is not None and all(r() is refs[0]() for r in refs)
+    # 2. a callback that keeps a view of one metric: that metric gets fresh memory, the others do not,
+    #    and what it kept still holds its own layer's values after the pass
+    kept: list[torch.Tensor] = []
+    seen: dict[str, list[int]] = {"contribution": [], "factor_cos": []}
+
+    def keep_view(layer: int, m: dict) -> None:
+        for k in seen:
+            seen[k].append(m["intra"][k].data_ptr())
+        kept.append(m["intra"]["contribution"][:, 1:])
+
+    col = ContributionCollector(model, on_layer=keep_view)
+    run_hooks(model, tokens, col.fwd_hooks)
+    assert len(set(seen["contribution"])) == 3 and len(set(seen["factor_cos"])) == 1
+    for layer, t in enumerate(kept):
+        assert torch.equal(t.nan_to_num(7.0), full.intra["contribution"][:, layer, 1:].nan_to_num(7.0))
+
+    # 3. a callback that writes into its tensors (here: everywhere, the zeros above the diagonal
+    #    included): the next layer's values are still exact, zeros included
+    def scribble(layer: int, m: dict) -> None:
+        check(layer, m["intra"], m["inter"])
+        for t in [*m["intra"].values(), *m["inter"].values()]:
+            if t.data_ptr() != m["intra"]["attention"].data_ptr():
+                t.fill_(5.0)
+
+    col = ContributionCollector(model, on_layer=scribble)
+    run_hooks(model, tokens, col.fwd_hooks)
+    # 4. without the storage count (another PyTorch), nothing is recycled and the values stay exact
+    refs.clear()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.delattr(torch._C, "_storage_Use_Count")
+        col = ContributionCollector(model, on_layer=reduce)
+        run_hooks(model, tokens, col.fwd_hooks)
+    assert len(refs) == 3 and refs[0]() is None and refs[1]() is None
 
 
 # --------------------------------------------------------------------------- one collector signature, progress, layout

@@ -176,6 +176,7 @@ def test_the_top_level_exports_every_hook_factory_and_entry_point() -> None:
         "head_stats_from_cache",
         "single_head_sweep",
         "retention_curves",
+        "collect",
     }
     missing = sorted((factories | entry_points) - set(mechgeom.__all__))
     assert not missing, missing

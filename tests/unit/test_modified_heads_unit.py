@@ -226,3 +226,26 @@ def test_sinks_selection_and_taxonomy_mark_the_modified_head() -> None:
     assert tax.sums["n_modified"][li, HEAD] == 2 * 9
     assert tax.sums["cos_sink_n"][li, HEAD] == 0 and tax.sums["cos_cur_n"][li, HEAD] == 0
     assert (tax.sums["n_modified"].sum() == 2 * 9) and (tax.sums["cos_sink_n"][li, HEAD - 1] > 0)
+
+
+def test_causal_blocked_modified_mask_equals_the_full_product() -> None:
+    # a causal pattern (0 above the diagonal), more queries than one block: the blocked product skips
+    # only keys the queries cannot see, so it flags exactly what the full product flags
+    g = torch.Generator().manual_seed(4)
+    q = 37
+    scores = torch.randn(2, 3, q, q, generator=g, dtype=torch.float64)
+    alpha = torch.softmax(scores.masked_fill(torch.ones(q, q, dtype=torch.bool).triu(1), -torch.inf), -1)
+    v = torch.randn(2, q, 3, 4, generator=g, dtype=torch.float64)
+    z = torch.einsum("bhqk,bkhd->bqhd", alpha, v)
+    z[0, 20, 1] += 1e-3
+    z[1, 36, 2] = 0.0
+    full = modified_mask(alpha, v, z)
+    for block in (1, 8, 16, 64):
+        assert torch.equal(modified_mask(alpha, v, z, causal=True, block_size=block), full)
+    assert full.sum() == 2 and full[0, 1, 20] and full[1, 2, 36]
+    # weight above the diagonal (not a decoder's pattern) is not read by the causal product: flagged
+    alpha2 = alpha.clone()
+    alpha2[0, 0, 3, 10] = 0.5
+    z2 = torch.einsum("bhqk,bkhd->bqhd", alpha2, v)
+    assert not modified_mask(alpha2, v, z2).any()
+    assert modified_mask(alpha2, v, z2, causal=True, block_size=8)[0, 0, 3]
