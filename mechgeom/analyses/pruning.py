@@ -14,6 +14,7 @@ and the multiple-choice scoring in :mod:`mechgeom.analyses.evaluation`. Their pu
 therefore runs the clean model block by block, keeps only the residual stream at the current layer's input
 (``blocks.{l}.hook_resid_pre``) and runs each of layer ``l``'s ablations from there with
 ``model(resid, start_at_layer=l, tokens=..., return_type="loss")``; the result equals the full forward.
+The heads of one layer run together, one copy of the batch per head (:mod:`mechgeom.analyses.head_removal`).
 """
 
 from __future__ import annotations
@@ -43,11 +44,12 @@ from mechgeom.analyses.head_orders import (
     taxonomy_wins,
 )
 from mechgeom.analyses.head_orders import __all__ as _orders_all
+from mechgeom.analyses.head_removal import COPIES_PER_BATCH, batched_head_nll, clean_resid
 from mechgeom.analyses.head_stats import *  # noqa: F403
 from mechgeom.analyses.head_stats import HeadStats
 from mechgeom.analyses.head_stats import __all__ as _stats_all
 from mechgeom.data import TaskItem
-from mechgeom.hooks import FwdHook, Head, head_ablation_hooks, resolve_head_set, run_hooks, to_tokens
+from mechgeom.hooks import FwdHook, Head, head_ablation_hooks, resolve_head_set, to_tokens
 from mechgeom.hooks import HeadAblationMode as AblationMode  # head removal modes (hooks.interventions)
 from mechgeom.models import is_bridge
 from mechgeom.sweep import Executor, Item, RowStore, executor_for, model_label, run_sweep, tokens_hash
@@ -85,7 +87,10 @@ def _tokens_key(tokens: Tokens) -> str:
 
 @dataclass
 class _HeadWork:
-    """The work of one single-head item: every text's NLL with head ``item.key`` removed (picklable).
+    """The work of one item ``key = (layer, *heads)``: every text's NLL with each of those heads of
+    ``layer`` removed alone (picklable), the heads run together in copies
+    (:func:`~mechgeom.analyses.head_removal.batched_head_nll`, at most ``COPIES_PER_BATCH * batch_size``
+    sequences per forward).
 
     On the ``start_at_layer`` path the clean residual stream of every batch is cached per worker at the
     input of the last layer asked for and advanced block by block (restarted from the embeddings when an
@@ -101,38 +106,31 @@ class _HeadWork:
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "_cache": {}}
 
-    def _resid(self, model: Any, layer: int) -> tuple[Tokens, list[slice], list[Tensor]]:
-        c = self._cache
-        if c.get("layer", layer + 1) > layer:  # start (again) from the embeddings
-            n = self.tokens.shape[0]
-            c["toks"] = self.tokens.to(model.cfg.device)
-            c["batches"] = [slice(s, min(s + self.batch_size, n)) for s in range(0, n, self.batch_size)]
-            with torch.no_grad():
-                c["resid"] = [run_hooks(model, c["toks"][sl], [], stop_at_layer=0) for sl in c["batches"]]
-            c["layer"] = 0
-        while c["layer"] < layer:
-            with torch.no_grad():
-                c["resid"] = [
-                    model(r, start_at_layer=c["layer"], stop_at_layer=c["layer"] + 1) for r in c["resid"]
-                ]
-            c["layer"] += 1
-        return c["toks"], c["batches"], c["resid"]
-
     def __call__(self, model: Any, item: Item) -> pd.DataFrame:
-        layer, h = item.key
-        hooks = head_ablation_hooks(model, [(layer, h)], mode=self.mode, means=self.means)
+        layer, heads = int(item.key[0]), [int(h) for h in item.key[1:]]
+        hooks = [head_ablation_hooks(model, [(layer, h)], mode=self.mode, means=self.means)[0] for h in heads]
+        n, max_seqs = self.tokens.shape[0], COPIES_PER_BATCH * self.batch_size
         if self.use_resid:
-            toks, batches, resid = self._resid(model, layer)
-            nll = torch.cat(
-                [
-                    _nll_from_layer(model, r, toks[sl], layer, hooks)
-                    for r, sl in zip(resid, batches, strict=True)
-                ]
-            )
+            toks, batches, inputs = clean_resid(self._cache, model, self.tokens, self.batch_size, layer)
+            nll = batched_head_nll(
+                hooks, inputs, toks, batches, lambda x, t, hk: _nll_from_layer(model, x, t, layer, hk),
+                max_seqs=max_seqs,
+            )  # fmt: skip
         else:
-            nll = text_nll(model, self.tokens, hooks, batch_size=self.batch_size)
-        n = self.tokens.shape[0]
-        return pd.DataFrame({"layer": layer, "head": h, "text": np.arange(n), "nll": nll.double().numpy()})
+            toks = self.tokens.to(model.cfg.device)
+            batches = [slice(s, min(s + self.batch_size, n)) for s in range(0, n, self.batch_size)]
+            nll = batched_head_nll(
+                hooks, [toks[sl] for sl in batches], toks, batches,
+                lambda x, _t, hk: token_nll(model, x, hk).mean(dim=-1), max_seqs=max_seqs,
+            )  # fmt: skip
+        return pd.DataFrame(
+            {
+                "layer": layer,
+                "head": np.repeat(np.asarray(heads, dtype=np.int64), n),
+                "text": np.tile(np.arange(n), len(heads)),
+                "nll": nll.flatten().double().numpy(),
+            }
+        )
 
 
 def _nll_from_layer(
@@ -264,13 +262,15 @@ def single_head_sweep(
 
     With ``start_at_layer`` (default) the clean residual stream is advanced block by block over all texts
     and each head of layer ``l`` is evaluated from ``blocks.{l}.hook_resid_pre`` (exact: earlier layers do
-    not see the removal); otherwise every head costs one full forward through
-    :func:`mechgeom.analyses.evaluation.text_nll` (always so on a ``TransformerBridge``, where that is the faster
-    path). ``checkpoint`` (a ``.csv``/``.parquet`` path) records each head's rows as soon as it finishes
-    and resumes from them (:mod:`mechgeom.sweep`); a file written for another model, other tokens or
-    another mode is refused with a ``ValueError`` naming the difference. ``executor`` runs the heads
-    elsewhere (e.g. :class:`mechgeom.sweep.RayExecutor`, each worker loading the same model by name; the
-    heads of one layer go to one worker, which caches that layer's residual stream).
+    not see the removal); otherwise from the tokens, full forwards (always so on a ``TransformerBridge``,
+    where that is the faster path). Either way the heads of a layer share forwards, one copy of each text
+    batch per head (:mod:`mechgeom.analyses.head_removal`; at most ``2 * batch_size`` sequences per
+    forward). ``checkpoint`` (a ``.csv``/``.parquet`` path) records each layer's rows as soon as its heads
+    finish and resumes from them (:mod:`mechgeom.sweep`; heads already on file are not recomputed, a layer
+    cut off mid-way is rerun); a file written for another model, other tokens or another mode is refused
+    with a ``ValueError`` naming the difference. ``executor`` runs the layers elsewhere (e.g.
+    :class:`mechgeom.sweep.RayExecutor`, each worker loading the same model by name and caching the
+    residual stream). ``verbose`` progress counts layers.
     """
     tokens = to_tokens(model, tokens, min_pos=2, what="the single-head sweep (a token to predict)")
     n_layers, n_heads, n_texts = int(model.cfg.n_layers), int(model.cfg.n_heads), tokens.shape[0]
@@ -285,11 +285,11 @@ def single_head_sweep(
     store = RowStore(
         checkpoint, key=["layer", "head", "text"], settings=settings, what="checkpoint", fresh=_FRESH
     )
-    items = [
-        Item(key=(layer, h), rows=tuple((layer, h, t) for t in range(n_texts)), batch=layer)
-        for layer, hs in wanted.items()
-        for h in hs
-    ]
+    items = []  # one per layer: the wanted heads not (fully) on file
+    for layer, hs in wanted.items():
+        todo = [h for h in hs if any((layer, h, t) not in store for t in range(n_texts))]
+        rows = tuple((layer, h, t) for h in todo for t in range(n_texts))
+        items += [Item(key=(layer, *todo), rows=rows, batch=layer)] if todo else []
     clean = text_nll(model, tokens, batch_size=batch_size)
     # A bridge has no start_at_layer (TL 3.x) or still runs the earlier blocks with it (TL 4.x, 4x slower):
     # full forwards are its fast path.

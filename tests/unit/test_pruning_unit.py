@@ -403,6 +403,31 @@ def test_sweep_start_at_layer_equals_full_forward(mode):
     assert (fast.delta_ppl != 0).any()
 
 
+@pytest.mark.parametrize(("batch_size", "start_at_layer"), [(1, True), (3, False), (2, True)])
+def test_batched_removal_equals_each_head_removed_alone(batch_size, start_at_layer):
+    # heads of a layer share forwards in copies of the batch (head_removal); every head, every text, against
+    # one plain forward per head with only that head's removal hook; batch_size=1 splits 4 heads into 2 runs
+    model = make_tiny(n_layers=2, n_kv=2, seed=8)
+    toks = random_tokens(3, 9, seed=5)
+    sweep = single_head_sweep(model, toks, batch_size=batch_size, start_at_layer=start_at_layer)
+    for layer, h in itertools.product(range(2), range(4)):
+        alone = text_nll(model, toks, head_ablation_hooks(model, [(layer, h)]))
+        torch.testing.assert_close(sweep.nll[layer, h], alone, atol=1e-5, rtol=1e-5)
+    assert not has_hooks(model)
+
+
+def test_head_chunks_cover_every_head_once_within_the_budget():
+    from mechgeom.analyses.head_removal import head_chunks
+
+    for n_heads, n_texts, max_seqs in itertools.product(range(0, 10), range(1, 6), range(1, 20)):
+        chunks = head_chunks(n_heads, n_texts, max_seqs)
+        assert [h for c in chunks for h in range(c.start, c.stop)] == list(range(n_heads))
+        assert all(c.stop - c.start >= 1 for c in chunks)
+        assert all((c.stop - c.start) * n_texts <= max(max_seqs, n_texts) for c in chunks)
+        per = max(1, max_seqs // n_texts)
+        assert len(chunks) == math.ceil(n_heads / per)  # as few forwards as the budget allows
+
+
 @needs_hooked  # counts calls of the start_at_layer path, which only a HookedTransformer takes
 def test_sweep_checkpoint_resumes(tmp_path, monkeypatch):
     model = make_tiny(n_layers=2, seed=3)
@@ -411,9 +436,11 @@ def test_sweep_checkpoint_resumes(tmp_path, monkeypatch):
     single_head_sweep(model, toks, heads=[(0, 0), (0, 2)], checkpoint=ckpt)
     calls = []
     real = pruning._nll_from_layer
-    monkeypatch.setattr(pruning, "_nll_from_layer", lambda *a, **k: calls.append(a[3]) or real(*a, **k))
+    copies = lambda *a, **k: calls.append((a[3], a[1].shape[0] // 2)) or real(*a, **k)  # noqa: E731
+    monkeypatch.setattr(pruning, "_nll_from_layer", copies)
     resumed = single_head_sweep(model, toks, checkpoint=ckpt)
-    assert len(calls) == 8 - 2  # one batch; the two heads on file are not recomputed
+    # one forward per layer, one copy of the 2 texts per head: the two heads on file are not recomputed
+    assert calls == [(0, 2), (1, 4)]
     fresh = single_head_sweep(model, toks)
     torch.testing.assert_close(resumed.nll, fresh.nll, atol=1e-6, rtol=1e-6)
     with pytest.raises(ValueError, match="checkpoint"):
