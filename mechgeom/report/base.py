@@ -103,6 +103,7 @@ class StageContext:
         self._tokens = tokens
         self.out_dir = out_dir
         self.stage_key = ""
+        self._passes: dict[tuple[Any, ...], dict[str, Any]] = {}
 
     def partial_path(self, name: str, suffix: str) -> Path:
         """A checkpoint file of the running stage, tied to its settings (``partial/<name>-<key><suffix>``):
@@ -129,6 +130,28 @@ class StageContext:
                 s.corpus, self.model, n_texts=s.n_texts, seq_len=s.seq_len, seed=s.seed
             )
         return self._tokens
+
+    def sinks_and_labels(self, n_texts: int, sink_positions: list[int]) -> dict[str, Any]:
+        """``{"sinks": SinkResult, "taxonomy": TaxonomyResult}`` of the first ``n_texts`` windows from ONE
+        forward pass per batch (:func:`mechgeom.collect` over a ``SinkCollector`` and a
+        ``TaxonomyCollector``), run by whichever of the sinks and taxonomy stages asks first and kept for
+        the other (a stage reused from disk asks for nothing)."""
+        key = (n_texts, tuple(sink_positions))
+        if key not in self._passes:
+            from mechgeom.analyses.sinks import SinkCollector
+            from mechgeom.analyses.taxonomy import TaxonomyCollector
+            from mechgeom.hooks import collect
+
+            m = self.model
+            cols = [
+                SinkCollector(m, sink_positions=sink_positions),
+                TaxonomyCollector(m, sink_positions=sink_positions, corpus=self.settings.corpus),
+            ]
+            sinks, labels = collect(
+                m, self.tokens[:n_texts], cols, desc="sinks and taxonomy", verbose=self.verbose
+            )
+            self._passes[key] = {"sinks": sinks, "taxonomy": labels}
+        return self._passes[key]
 
     def str_tokens(self, row: int = 0) -> list[str]:
         toks = self.tokens[row]

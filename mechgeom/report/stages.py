@@ -154,7 +154,7 @@ def _sinks_params(s: ReportSettings) -> dict[str, Any]:
 
 
 def _run_sinks(ctx: StageContext, p: dict[str, Any]) -> StageOutput:
-    from mechgeom.analyses.sinks import convexity_check, sink_ablation, sink_statistics, top_sink_heads
+    from mechgeom.analyses.sinks import convexity_check, sink_ablation, top_sink_heads
     from mechgeom.viz import (
         plot_cone_shift,
         plot_convexity_curves,
@@ -163,7 +163,7 @@ def _run_sinks(ctx: StageContext, p: dict[str, Any]) -> StageOutput:
     )
 
     model, tokens = ctx.model, ctx.tokens[: p["n_texts"]]
-    stats = sink_statistics(model, tokens, sink_positions=p["sink_positions"], verbose=ctx.verbose)
+    stats = ctx.sinks_and_labels(p["n_texts"], p["sink_positions"])["sinks"]  # = sink_statistics(...)
     chosen = top_sink_heads(stats, p["convexity_heads"])
     check = convexity_check(
         model,
@@ -281,10 +281,7 @@ def _run_taxonomy(ctx: StageContext, p: dict[str, Any]) -> StageOutput:
     from mechgeom.viz import plot_regime_grid
 
     model, s = ctx.model, ctx.settings
-    res = classify_heads(
-        model, ctx.tokens[: p["n_texts"]], sink_positions=p["sink_positions"], corpus=s.corpus,
-        verbose=ctx.verbose,
-    )  # fmt: skip
+    res = ctx.sinks_and_labels(p["n_texts"], p["sink_positions"])["taxonomy"]  # = classify_heads(...)
     table = res.to_frame()
     summ = res.summary()
     tables = {"taxonomy": table, "taxonomy_regimes": regime_summary(table)}

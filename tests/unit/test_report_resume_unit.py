@@ -134,3 +134,23 @@ def test_other_settings_replace_the_stage_row(tmp_path: Path) -> None:
     rows = _store_rows(tmp_path)
     assert rows["stage"].tolist() == ["taxonomy"]  # one row per stage: the files are the latest run's
     assert json.loads(rows["settings"].iloc[0])["seed"] == 4
+
+
+def test_sinks_and_taxonomy_stages_share_one_pass_equal_to_the_entry_points(tmp_path, monkeypatch):
+    import mechgeom
+    from mechgeom.hooks import readers
+
+    model, toks = make_tiny(n_layers=2, n_kv=2, seed=6), random_tokens(3, 10, seed=2)
+    settings = report.ReportSettings("tiny", "wikitext", 3, 10, 0, True)
+    ctx = report.StageContext(settings, tmp_path, model=model, tokens=toks, verbose=False)
+    forwards = []
+    real = readers.run_hooks
+    monkeypatch.setattr(readers, "run_hooks", lambda *a, **k: forwards.append(1) or real(*a, **k))
+    got = ctx.sinks_and_labels(3, [0])
+    assert ctx.sinks_and_labels(3, [0]) is got and len(forwards) == 1  # one batch, one forward, kept
+    monkeypatch.setattr(readers, "run_hooks", real)
+    sinks = mechgeom.sink_statistics(model, toks, sink_positions=[0])
+    labels = mechgeom.classify_heads(model, toks, sink_positions=[0], corpus="wikitext")
+    pd.testing.assert_frame_equal(got["sinks"].to_frame(), sinks.to_frame())
+    pd.testing.assert_frame_equal(got["taxonomy"].to_frame(), labels.to_frame())
+    assert ctx.sinks_and_labels(2, [0])["sinks"].sink_rate.shape[0] == 2  # other texts: another pass
