@@ -379,6 +379,11 @@ def short_s(x: float, note: str) -> str:
     return note.strip() if not math.isfinite(x) and note else f"{x:.1f}s{note}"
 
 
+def cell_s(x: float, note: str) -> str:
+    """A time for the markdown table, as :func:`fmt_s` with its note, or the note alone when there is no time."""
+    return note.strip() if not math.isfinite(x) and note else f"{fmt_s(x)}{note}"
+
+
 def fmt_mb(x: float) -> str:
     return "–" if not math.isfinite(x) else f"{x:.0f}"
 
@@ -553,7 +558,7 @@ def main() -> None:
         mems = " / ".join(fmt_mb(r[f"mem_{k}"]) for k in ("a0", "a", "b", "r", "c", "d"))
         lines.append(
             f"| {r['shape']} | {fmt_s(r['a0'])} | {fmt_s(r['a'])} | {fmt_s(r['b'])} | {fmt_s(r['r'])} "
-            f"| {fmt_s(r['c'])}{r['c_note']} | {fmt_s(r['d'])}{r['d_note']} | {fmt_x(r['b/a'])} "
+            f"| {cell_s(r['c'], r['c_note'])} | {cell_s(r['d'], r['d_note'])} | {fmt_x(r['b/a'])} "
             f"| {', '.join(fmt_x(x) for x in r['rounds'])} | {fmt_x(r['b/a0'])} | {fmt_x(r['r/a'])} "
             f"| {fmt_x(r['c/b'], 1)} | {fmt_x(r['d/b'], 1)} | {mems} |"
         )
