@@ -138,7 +138,10 @@ class LayerGeometry:
 
     @cached_property
     def vt_norm(self) -> Float[Tensor, "batch head_index key_pos"]:
-        """``‖vt[j,h]‖ = sqrt(v[j,h] M[h] v[j,h])``."""
+        """``‖vt[j,h]‖ = sqrt(v[j,h] M[h] v[j,h])`` (the square root of :attr:`gram`'s diagonal once that is computed)."""
+        if "gram" in self.__dict__:  # G_j[h,h] = ‖vt[j,h]‖²
+            diag = torch.diagonal(self.__dict__["gram"], dim1=-2, dim2=-1)  # [b k h]
+            return einops.rearrange(diag, "b k h -> b h k").clamp_min(0).sqrt()
         vm = einops.einsum(self.v, self.wo_gram, "b k h d, h d e -> b k h e")
         sq = einops.einsum(vm, self.v, "b k h d, b k h d -> b h k")
         return sq.clamp_min(0).sqrt()
@@ -326,6 +329,8 @@ class LayerGeometry:
                 fresh.add(k)
             out[k] = alpha.new_empty(shape) if buf is None else buf
         to_zero = list(out.values()) if not zeroed else [out[k] for k in fresh]
+        if need_vwi:  # first, so that vt_norm is read off its diagonal
+            gram = einops.rearrange(self.gram, "b k h g -> h g b k").contiguous()
         vt_norm = (
             self.vt_norm[:, :, None, :] if (need_ratio or "value_weighted" in want) else None
         )  # [b h 1 k]
@@ -345,8 +350,6 @@ class LayerGeometry:
             u_share = einops.rearrange(self.layer_u, "b q h d -> b h q d") * (inv_ol**2)[:, None, :, None]
             if keep is not None:
                 u_share = u_share * keep  # a modified head's shares c[h→i,j] are exactly 0
-        if need_vwi:
-            gram = einops.rearrange(self.gram, "b k h g -> h g b k").contiguous()
         # alpha-weighted outputs are already 0 above the diagonal, except in NaN rows; factors never are
         factors = [out[k] for k in ("factor_norm_ratio", "factor_cos") if k in out]
         others = [t for k, t in out.items() if k not in ("factor_norm_ratio", "factor_cos")]
@@ -356,6 +359,7 @@ class LayerGeometry:
         nan_rows = (nan_h.cpu() | nan_l.cpu() | nan_m.cpu()).tolist()
         bs = min(self.block_size, Q)
         upper = torch.ones(bs, bs, dtype=torch.bool, device=alpha.device).triu_(1)  # key > query in a block
+        lower = (~upper).to(alpha.dtype)  # 1 where key <= query: a product zeroes the rest ~8x faster
 
         for q0 in range(0, Q, self.block_size):
             q1 = min(q0 + self.block_size, Q)
@@ -399,9 +403,13 @@ class LayerGeometry:
             if q1 < Q:
                 for t in to_zero:
                     t[..., q0:q1, q1:].zero_()
-            tri = upper[: q1 - q0, : q1 - q0]
-            for t in factors + (others if any(nan_rows[q0:q1]) else []):
-                t[..., q0:q1, q0:q1].masked_fill_(tri, 0)
+            n = q1 - q0
+            if any(nan_rows[q0:q1]):  # NaN * 0 is NaN: fill instead
+                for t in factors + others:
+                    t[..., q0:q1, q0:q1].masked_fill_(upper[:n, :n], 0)
+            else:
+                for t in factors:
+                    t[..., q0:q1, q0:q1].mul_(lower[:n, :n])
         self._metrics.update(out)
 
 
