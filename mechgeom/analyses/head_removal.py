@@ -25,10 +25,26 @@ import torch
 from mechgeom.hooks import FwdHook, run_hooks
 from mechgeom.typing import Float, Tensor, Tokens, Z
 
-__all__ = ["COPIES_PER_BATCH", "batched_head_nll", "clean_resid", "copies_hook", "head_chunks"]
+__all__ = [
+    "COPIES_PER_BATCH",
+    "batched_head_nll",
+    "clean_resid",
+    "copies_hook",
+    "head_chunks",
+    "text_batches",
+]
 
 #: A forward of the sweep holds at most ``COPIES_PER_BATCH * batch_size`` sequences.
 COPIES_PER_BATCH = 2
+
+
+def text_batches(n_texts: int, batch_size: int) -> list[slice]:
+    """The batches of ``n_texts`` texts, ``batch_size`` at a time (the last one shorter).
+
+    >>> text_batches(5, 2)
+    [slice(0, 2, None), slice(2, 4, None), slice(4, 5, None)]
+    """
+    return [slice(s, min(s + batch_size, n_texts)) for s in range(0, n_texts, batch_size)]
 
 
 def head_chunks(n_heads: int, n_texts: int, max_seqs: int) -> list[slice]:
@@ -69,7 +85,7 @@ def clean_resid(
     if c.get("layer", layer + 1) > layer:  # start (again) from the embeddings
         n = tokens.shape[0]
         c["toks"] = tokens.to(model.cfg.device)
-        c["batches"] = [slice(s, min(s + batch_size, n)) for s in range(0, n, batch_size)]
+        c["batches"] = text_batches(n, batch_size)
         with torch.no_grad():
             c["resid"] = [run_hooks(model, c["toks"][sl], [], stop_at_layer=0) for sl in c["batches"]]
         c["layer"] = 0

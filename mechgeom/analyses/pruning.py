@@ -44,7 +44,7 @@ from mechgeom.analyses.head_orders import (
     taxonomy_wins,
 )
 from mechgeom.analyses.head_orders import __all__ as _orders_all
-from mechgeom.analyses.head_removal import COPIES_PER_BATCH, batched_head_nll, clean_resid
+from mechgeom.analyses.head_removal import COPIES_PER_BATCH, batched_head_nll, clean_resid, text_batches
 from mechgeom.analyses.head_stats import *  # noqa: F403
 from mechgeom.analyses.head_stats import HeadStats
 from mechgeom.analyses.head_stats import __all__ as _stats_all
@@ -118,7 +118,7 @@ class _HeadWork:
             )  # fmt: skip
         else:
             toks = self.tokens.to(model.cfg.device)
-            batches = [slice(s, min(s + self.batch_size, n)) for s in range(0, n, self.batch_size)]
+            batches = text_batches(n, self.batch_size)
             nll = batched_head_nll(
                 hooks, [toks[sl] for sl in batches], toks, batches,
                 lambda x, _t, hk: token_nll(model, x, hk).mean(dim=-1), max_seqs=max_seqs,
