@@ -9,7 +9,7 @@ VENV=${VENV:-.venv}
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 MPLBACKEND=Agg
 "$VENV/bin/ruff" check mechgeom tests benchmarks scripts
 "$VENV/bin/ruff" format --check mechgeom tests benchmarks scripts
-"$VENV/bin/mypy"
+"$VENV/bin/mypy" --cache-dir "$VENV/.mypy_cache"  # one cache per venv: the two TL lines run side by side in CI
 scripts/isolated.sh "$VENV/bin/python" -m pytest mechgeom tests -q --durations=15 "$@"
 if compgen -G "tutorials/*.ipynb" > /dev/null; then
   scripts/isolated.sh "$VENV/bin/python" -m pytest --nbmake --nbmake-timeout=300 -q --durations=0 tutorials -p no:doctest -o addopts=""
