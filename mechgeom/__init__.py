@@ -9,10 +9,10 @@ analysis modules, ``mechgeom.viz`` (views and figures) and ``mechgeom.report`` (
 from mechgeom.analyses.contribution import (
     ContributionCollector,
     ContributionResult,
-    contribution_overview,
     contribution_weights,
     contribution_weights_from_cache,
 )
+from mechgeom.analyses.contribution_overview import contribution_overview
 from mechgeom.analyses.evaluation import encode_choices, perplexity, score_choices, text_nll, token_nll
 from mechgeom.analyses.faithfulness import (
     faithfulness_summary,

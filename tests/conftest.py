@@ -44,8 +44,11 @@ def make_tiny(
     d_vocab: int = 50,
     seed: int = 0,
     normalization_type: str | None = "LN",
+    attention_dir: str = "causal",
 ) -> HookedTransformer:
-    """A seeded random decoder; ``n_kv`` < ``n_heads`` makes it GQA; ``b_O`` randomises the output bias.
+    """A seeded random decoder; ``n_kv`` < ``n_heads`` makes it GQA; ``b_O`` randomises the output bias;
+    ``attention_dir="bidirectional"`` makes it a tiny random encoder (every query sees every key), a
+    ``TransformerBridge.boot_native`` model on both lines.
 
     A ``HookedTransformer`` on TransformerLens 3.x, a ``TransformerBridge.boot_native`` model on 4.x (same
     config, same hook names; different random draws, so tests compare with references, not constants).
@@ -62,12 +65,15 @@ def make_tiny(
         attn_only=attn_only,
         n_key_value_heads=n_kv,
         normalization_type=normalization_type,
+        attention_dir=attention_dir,
         seed=seed,
         init_weights=True,
         dtype=torch.float32,
         device="cpu",
     )
-    if not HAS_HOOKED:
+    if (
+        not HAS_HOOKED or attention_dir != "causal"
+    ):  # TL 3's HookedTransformer ignores an encoder's padding mask
         return _make_tiny_bridge(cfg_kwargs, b_O=b_O, seed=seed)
     model = HookedTransformer(HookedTransformerConfig(**cfg_kwargs))
     g = torch.Generator().manual_seed(seed + 1)

@@ -14,11 +14,20 @@ from mechgeom.analyses.contribution import INTER_METRICS, INTRA_METRICS
 NAN = float("nan")
 
 
-def brute_force(alpha: torch.Tensor, v_kv: torch.Tensor, W_O: torch.Tensor) -> dict[str, torch.Tensor]:
+def brute_force(
+    alpha: torch.Tensor,
+    v_kv: torch.Tensor,
+    W_O: torch.Tensor,
+    *,
+    causal: bool = True,
+    real: torch.Tensor | None = None,
+) -> dict[str, torch.Tensor]:
     """Every §A metric of one layer from the materialised ``[q, k, d_model]`` tensors, in float64.
 
     ``alpha [b h q k]``, ``v_kv [b k n_kv d_head]`` (not expanded), ``W_O [h d_head d_model]``.
     Returns ``intra_<name>`` ``[b h q k]``, ``inter_<name>`` ``[b q k]`` and ``o_head`` ``[b q h m]``.
+    ``causal=False`` (an encoder) keeps every key as a source; ``real [b pos]`` (an encoder's non-padding
+    tokens) sets every entry of a padded query or key to 0.
     """
     alpha, v_kv, W_O = alpha.detach().double(), v_kv.detach().double(), W_O.detach().double()
     B, H, Q, K = alpha.shape
@@ -68,10 +77,18 @@ def brute_force(alpha: torch.Tensor, v_kv: torch.Tensor, W_O: torch.Tensor) -> d
         out["inter_value_weighted_normalized"][b] = ratio_or_nan(T_layer.norm(dim=-1), o_norm)
         out["inter_contribution"][b] = ratio_or_nan((T_layer * o[:, None, :]).sum(-1), o_norm**2)
     # convention: only sources j <= i are entries; everything above the diagonal is 0 (NaN rows included)
-    for i in range(Q):
+    for i in range(Q if causal else 0):
         for name, t in out.items():
             if name != "o_head":
                 t[..., i, i + 1 :] = 0.0
+    # an encoder's padding is neither a query nor a source
+    for b in range(B if real is not None else 0):
+        for i in range(Q):
+            for j in range(K):
+                if not (real[b, i] and real[b, j]):
+                    for name, t in out.items():
+                        if name != "o_head":
+                            t[b, ..., i, j] = 0.0
     return out
 
 

@@ -11,7 +11,7 @@ The metrics are computed layer by layer, in blocks of queries, by
 head and metric; entries above the diagonal, ``key > query``, are exactly 0, factors included).
 Headline statistics (sink shares, negative share, top-1 agreement, TV) are
 :mod:`mechgeom.analyses.contribution_stats`: :meth:`ContributionResult.summary` for a result in memory,
-:func:`contribution_overview` streamed over a corpus.
+:func:`~mechgeom.analyses.contribution_overview.contribution_overview` streamed over a corpus.
 
 **Zero output norm.** Where ``‖o[i,h]‖ = 0`` (or ``‖o[i]‖ = 0`` for inter-head metrics and head shares)
 the normalised metrics of that row are NaN at every source ``j <= i``: never a crash, never a silent 0.
@@ -47,13 +47,7 @@ import torch
 
 from mechgeom._progress import progress
 from mechgeom.analyses.contribution_geometry import BLOCK_SIZE, INTER_METRICS, INTRA_METRICS, LayerGeometry
-from mechgeom.analyses.contribution_stats import (
-    SUMMARY_METRICS,
-    ScoreTotals,
-    overview_summary,
-    result_summary,
-    view_layer_of,
-)
+from mechgeom.analyses.contribution_stats import SUMMARY_METRICS, result_summary, special_token_frame
 from mechgeom.hooks import (
     FwdHook,
     LayerActivations,
@@ -61,9 +55,9 @@ from mechgeom.hooks import (
     check_indices,
     head_outputs,
     modified_pairs,
-    run_batches,
     run_hooks,
     to_tokens,
+    token_strings,
 )
 from mechgeom.typing import Bool, Float, Tensor, Tokens
 
@@ -73,10 +67,8 @@ __all__ = [
     "INTRA_METRICS",
     "RANKING_METRICS",
     "ContributionCollector",
-    "ContributionOverview",
     "ContributionResult",
     "LayerGeometry",
-    "contribution_overview",
     "contribution_weights",
     "contribution_weights_from_cache",
     "reconstruct_attn_out",
@@ -105,6 +97,7 @@ class ContributionResult:
     ``[batch, layer, query_pos, key_pos]``; ``layers[k]`` is the model layer at index ``k`` of the
     layer axis. Entries above the diagonal (``key > query``, not sources) are 0 in every metric, factors
     included; a row whose output norm is 0 is NaN at its sources ``key <= query`` (see the module docstring).
+    For an encoder (``causal=False``) every key is a source, and padding (``key_mask``) is 0 as query and key.
 
     ``modified[b, l, h, i]`` marks the heads whose ``z`` an earlier hook changed, and ``modified_share`` is
     their part ``<o[i], o[i,h]> / ‖o[i]‖²`` of the layer output (0 elsewhere); see "After an intervention"
@@ -121,6 +114,10 @@ class ContributionResult:
     extras: dict[str, Any] = field(default_factory=dict)
     modified: Bool[Tensor, "batch layer head_index query_pos"] | None = None
     modified_share: Float[Tensor, "batch layer head_index query_pos"] | None = None
+    #: ``False`` for an encoder: every key is a source of every query (no zero upper triangle).
+    causal: bool = True
+    #: An encoder's real (non-padding) tokens ``[batch, pos]``; every metric is 0 at a padded query or key.
+    key_mask: Bool[Tensor, "batch pos"] | None = None
 
     @property
     def modified_heads(self) -> list[tuple[int, int]]:
@@ -150,9 +147,25 @@ class ContributionResult:
         per-head statistics of :func:`~mechgeom.analyses.contribution_stats.score_sums` (texts and queries
         ``i >= 1``), and the layer of largest whole-layer TV between attention and contribution with that
         TV. Needs the intra- and inter-head metrics ``attention``, ``value_weighted_normalized`` and
-        ``contribution`` (a ``ValueError`` names any that is missing).
+        ``contribution`` (a ``ValueError`` names any that is missing). For an encoder, ``[CLS]`` and ``[SEP]``
+        take the sink's place: ``{"n_heads", "n_texts", "cls_<metric>", "sep_<metric>", "negative_share"}``,
+        means over the rows of :meth:`special_token_frame`.
         """
+        if not self.causal:  # an encoder: [CLS] and [SEP] take the sink's place
+            frame = self.special_token_frame()
+            means = frame.groupby("token")[list(SUMMARY_METRICS)].mean()
+            out: dict[str, Any] = {"n_heads": int(frame[["layer", "head"]].drop_duplicates().shape[0])}
+            out["n_texts"] = self.shape[0]
+            for token, key in (("[CLS]", "cls"), ("[SEP]", "sep")):
+                out.update({f"{key}_{m}": float(means[m][token]) for m in SUMMARY_METRICS})
+            out["negative_share"] = float(frame.drop_duplicates(["layer", "head"])["negative_share"].mean())
+            return out
         return result_summary(self.layers, self.intra, self.inter)
+
+    def special_token_frame(self) -> pd.DataFrame:
+        """An encoder's ``[CLS]`` and ``[SEP]`` under attention, output-normalised value weight and contribution,
+        per (layer, head): :func:`~mechgeom.analyses.contribution_stats.special_token_frame`."""
+        return special_token_frame(self.layers, self.intra, self.key_mask)
 
     def to_frame(
         self,
@@ -162,7 +175,8 @@ class ContributionResult:
         heads: int | Sequence[int] | None = None,
         query: int | None = None,
     ) -> pd.DataFrame:
-        """A tidy table: one row per (batch, layer, head, query, key) with ``key <= query``.
+        """A tidy table: one row per (batch, layer, head, query, key) with ``key <= query`` (for an encoder:
+        every pair of real, non-padding tokens).
 
         Columns: ``batch, layer, head, query, key``, then ``query_token, key_token`` when the result has
         tokens (a result built from a cache without tokens has none), every intra-head metric and
@@ -181,12 +195,10 @@ class ContributionResult:
                 self.layer_index(layer)
         h_sel = check_indices(heads, n_heads, "head")
         q_sel = check_indices(query, pos, "query")
-        qq, kk = torch.tril_indices(pos, pos)
-        keep = torch.isin(qq, torch.tensor(q_sel))
-        qq, kk = qq[keep], kk[keep]
         str_tokens = self.str_tokens if self.tokens is not None else None
         frames = []
         for b in b_sel:
+            qq, kk = self._pairs(b, pos, q_sel)
             for layer in l_sel:
                 li = self.layer_index(layer)
                 inter_cols = {f"layer_{k}": v[b, li, qq, kk].numpy() for k, v in self.inter.items()}
@@ -212,6 +224,20 @@ class ContributionResult:
                     cols.update(inter_cols)
                     frames.append(pd.DataFrame(cols))
         return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
+
+    def _pairs(self, b: int, pos: int, q_sel: list[int]) -> tuple[Tensor, Tensor]:
+        """The ``(query, key)`` pairs of text ``b`` in the table: sources ``key <= query`` (a decoder) or every
+        pair of real tokens (an encoder), for the queries ``q_sel``."""
+        if self.causal:
+            qq, kk = torch.tril_indices(pos, pos)
+        else:
+            qq, kk = torch.arange(pos).repeat_interleave(pos), torch.arange(pos).repeat(pos)
+            if self.key_mask is not None:
+                real = self.key_mask[b].cpu()
+                ok = real[qq] & real[kk]
+                qq, kk = qq[ok], kk[ok]
+        keep = torch.isin(qq, torch.tensor(q_sel))
+        return qq[keep], kk[keep]
 
 
 class ContributionCollector:
@@ -245,6 +271,8 @@ class ContributionCollector:
     True
     """
 
+    supports_encoders = True  # every key of every query, padding excluded (see ContributionResult)
+
     def __init__(
         self,
         model: Any,
@@ -275,6 +303,7 @@ class ContributionCollector:
         self._versions: dict[tuple[int, str], int] = {}  # buffer -> its _version when last written
         self._store: tuple[dict[str, Tensor], dict[str, Tensor]] | None = None
         self._after_layer: Callable[[int], Any] | None = None  # progress of contribution_weights
+        self._key_mask: Tensor | None = None  # an encoder's padding, from the last pass (LayerActivations)
 
     @property
     def fwd_hooks(self) -> list[FwdHook]:
@@ -336,6 +365,7 @@ class ContributionCollector:
 
     def _on_layer(self, acts: LayerActivations) -> None:
         geo = LayerGeometry.from_activations(acts)
+        self._key_mask = None if acts.key_mask is None else acts.key_mask.to(self.store_device)
         out_intra, out_inter = self._out_tensors(acts)
         with torch.no_grad():
             intra, inter = geo.compute(
@@ -407,6 +437,8 @@ class ContributionCollector:
             model_name=str(getattr(self.model.cfg, "model_name", "")),
             modified=torch.stack([self._modified[la][0] for la in self.layers], dim=1),
             modified_share=torch.stack([self._modified[la][1] for la in self.layers], dim=1),
+            causal=self.collector.causal,
+            key_mask=self._key_mask,
         )
 
 
@@ -424,10 +456,8 @@ def _sole_owner(t: Tensor) -> bool:
 
 
 def _str_tokens(model: Any, tokens: Tokens) -> list[list[str]] | None:
-    """Each row of ``tokens`` as strings (``model.to_str_tokens``); ``None`` for a model without a tokenizer."""
-    if getattr(model, "tokenizer", None) is None:
-        return None
-    return [list(model.to_str_tokens(row)) for row in tokens]
+    """Each row of ``tokens`` as strings (:func:`mechgeom.hooks.token_strings`); ``None`` without a tokenizer."""
+    return token_strings(model, tokens)
 
 
 def contribution_weights(
@@ -438,21 +468,26 @@ def contribution_weights(
     intra: Sequence[str] | None = None,
     inter: Sequence[str] | None = None,
     extra_hooks: Sequence[FwdHook] = (),
+    attention_mask: Bool[Tensor, "batch pos"] | None = None,
     verbose: bool = False,
 ) -> ContributionResult:
     """Contribution weights and baselines of every head of ``layers`` (default: all) in one pass.
+
+    On an encoder every key is a source of every query; ``attention_mask`` (``[batch, pos]``, 1 = real token;
+    default: the ``[PAD]`` positions of ``tokens``, :func:`~mechgeom.hooks.padding_mask`) keeps padding out.
 
     ``intra``/``inter`` choose the metrics kept (default: all of :data:`INTRA_METRICS` and
     :data:`INTER_METRICS`); each costs ``batch * layers * heads * q * k`` floats. ``extra_hooks`` run in
     the same pass (e.g. a patching hook), before mechgeom's readers on the same hook point. ``verbose``
     shows a progress bar over the layers as they are computed.
     """
-    tokens = to_tokens(model, tokens_or_text)
+    tokens = to_tokens(model, tokens_or_text, encoders=True)
     col = ContributionCollector(model, layers, intra=intra, inter=inter)
     bar = _layer_bar(col.layers, verbose)
     col._after_layer = lambda _layer: next(bar, None)
+    hooks = [*extra_hooks, *col.fwd_hooks]
     try:
-        run_hooks(model, tokens, [*extra_hooks, *col.fwd_hooks], stop_at_layer=max(col.layers) + 1)
+        run_hooks(model, tokens, hooks, stop_at_layer=max(col.layers) + 1, attention_mask=attention_mask)
     finally:
         close = getattr(bar, "close", None)
         if close is not None:
@@ -481,106 +516,7 @@ def contribution_weights_from_cache(
     table has no token columns. A cache taken under a ``hook_z`` patch is marked like a live pass."""
     col = ContributionCollector(model, layers, intra=intra, inter=inter)
     col.feed_cache(cache)
-    return col.result(None if tokens is None else to_tokens(model, tokens))
-
-
-@dataclass
-class ContributionOverview:
-    """Headline statistics of contribution weights over a corpus (:func:`contribution_overview`).
-
-    ``heads``: one row per ``(layer, head)``, columns ``layer, head`` and the statistics of
-    :func:`~mechgeom.analyses.contribution_stats.score_sums` (``sink_attention``,
-    ``sink_value_weighted_normalized``, ``sink_contribution``, ``negative_share``, ``top1_agreement``,
-    ``tv_attention_contribution``: means over texts and queries ``i >= 1``); ``layers``: the same
-    statistics of the whole-layer (inter-head) metrics, one row per layer. ``view_layer`` is the layer of
-    largest whole-layer TV (the first if all are NaN) and ``view`` its intra/inter ``attention`` and
-    ``contribution`` for text 0.
-    """
-
-    heads: pd.DataFrame
-    layers: pd.DataFrame
-    view_layer: int
-    view: ContributionResult
-    n_texts: int
-
-    def to_frame(self) -> pd.DataFrame:
-        """The per-head table :attr:`heads`."""
-        return self.heads
-
-    def summary(self) -> dict[str, Any]:
-        """``{"n_heads", "n_texts", "sink_attention", "sink_contribution", "sink_value_weighted_normalized",
-        "negative_share", "top1_agreement", "view_layer", "view_layer_tv"}``: means over heads and the
-        view layer with its whole-layer TV (the same keys as :meth:`ContributionResult.summary`)."""
-        return overview_summary(self.heads, self.layers, self.n_texts)
-
-
-def contribution_overview(
-    model: Any,
-    tokens_or_text: str | Sequence[str] | Tensor,
-    *,
-    layers: int | Sequence[int] | None = None,
-    batch_size: int = 4,
-    extra_hooks: Sequence[FwdHook] = (),
-    verbose: bool = False,
-) -> ContributionOverview:
-    """Headline statistics of contribution weights over many texts, ``batch_size`` texts per pass.
-
-    Streams :class:`ContributionCollector` (``on_layer``) with the metrics ``attention``,
-    ``value_weighted_normalized`` and ``contribution``: each layer's metrics are reduced to ``(sum, count)``
-    pairs (:class:`~mechgeom.analyses.contribution_stats.ScoreTotals`) as soon as they are computed, so
-    memory stays at one layer of one batch (plus text 0 of each layer for the view). ``verbose`` shows a
-    progress bar over the batches.
-
-    >>> import torch
-    >>> from transformer_lens.config import TransformerBridgeConfig
-    >>> from transformer_lens.model_bridge import TransformerBridge
-    >>> cfg = TransformerBridgeConfig(n_layers=2, d_model=8, n_ctx=8, d_head=4, n_heads=2,
-    ...                               attn_only=True, d_vocab=10, seed=0)
-    >>> model = TransformerBridge.boot_native(cfg)
-    >>> ov = contribution_overview(model, torch.tensor([[1, 2, 3, 4], [4, 3, 2, 1]]), batch_size=1)
-    >>> ov.summary()["n_heads"], ov.summary()["n_texts"], ov.view.layers == [ov.view_layer]
-    (4, 2, True)
-    """
-    if int(batch_size) < 1:
-        raise ValueError(f"batch_size must be at least 1, got {batch_size}")
-    tokens = to_tokens(model, tokens_or_text)
-    totals = ScoreTotals()
-    first: dict[int, dict[str, dict[str, Tensor]]] = {}
-    kept = ("attention", "contribution")
-
-    def on_layer(layer: int, m: dict[str, dict[str, Tensor]]) -> None:
-        intra, inter = m["intra"], m["inter"]  # [b h q k] and [b q k]
-        totals.add(layer, intra, inter)
-        if layer not in first:  # text 0 (first batch) for the view
-            first[layer] = {
-                "intra": {k: intra[k][:1].clone() for k in kept},
-                "inter": {k: inter[k][:1].clone() for k in kept},
-            }
-
-    metrics = list(SUMMARY_METRICS)
-    col = ContributionCollector(model, layers, intra=metrics, inter=metrics, on_layer=on_layer)
-    stop = max(col.layers) + 1
-    hooks = [*extra_hooks, *col.fwd_hooks]
-    run_batches(
-        model,
-        tokens,
-        hooks,
-        batch_size=int(batch_size),
-        stop_at_layer=stop,
-        desc="contributions",
-        verbose=verbose,
-    )
-    heads, layer_frame = totals.heads_frame(), totals.layers_frame()
-    view_layer = view_layer_of(layer_frame)
-    view = ContributionResult(
-        layers=[view_layer],
-        tokens=tokens[:1].cpu(),
-        intra={k: v[:, None] for k, v in first[view_layer]["intra"].items()},
-        inter={k: v[:, None] for k, v in first[view_layer]["inter"].items()},
-        str_tokens=_str_tokens(model, tokens[:1]),
-        model_name=str(getattr(model.cfg, "model_name", "")),
-    )
-    return ContributionOverview(heads, layer_frame, view_layer, view, n_texts=int(tokens.shape[0]))
+    return col.result(None if tokens is None else to_tokens(model, tokens, encoders=True))
 
 
 def reconstruct_attn_out(model: Any, acts: LayerActivations) -> Float[Tensor, "batch pos d_model"]:

@@ -1,6 +1,6 @@
 """The per-layer kernels of SPEC.md §A: :class:`LayerGeometry` and its blocked sweep over queries.
 
-For one layer (batch ``b``, head ``h``, query ``i``, source ``j <= i``), with ``alpha = hook_pattern``,
+For one layer (batch ``b``, head ``h``, query ``i``, source ``j <= i``; every ``j`` on an encoder), with ``alpha = hook_pattern``,
 ``v = hook_v`` (GQA-expanded), ``z = hook_z`` and ``W_O`` from the model: projected value
 ``vt[j,h] = v[j,h] @ W_O[h]``, head output ``o[i,h] = z[i,h] @ W_O[h]``, layer output ``o[i] = sum_h o[i,h]``
 (no ``b_O``). The conventions (zero output norm, basis, modified heads) are those of
@@ -15,7 +15,12 @@ token ``j``'s projected values. Norms of head outputs and projected values are q
 **Causal layout.** Metrics are ``[.., query_pos, key_pos]`` with every entry above the diagonal
 (``key > query``, not a source) exactly 0, factors included. They are computed in blocks of queries
 (``block_size``), each against only the keys it can see, so about half of the ``q x k`` work of a full
-square is skipped. The pattern is assumed causal, as a decoder's is (mechgeom's interventions keep it so).
+square is skipped. The pattern is taken as causal, as a decoder's is (mechgeom's interventions keep it so),
+unless ``causal=False``.
+
+**Encoder layout** (``causal=False``, a bidirectional model): every query is computed against every key.
+With ``key_mask`` (``[batch, key_pos]``, ``False`` at padding), every metric is exactly 0 wherever the key or
+the query is padding, factors included: padding is neither a source nor a query.
 """
 
 from __future__ import annotations
@@ -77,6 +82,8 @@ class LayerGeometry:
         *,
         block_size: int = BLOCK_SIZE,
         modified: Bool[Tensor, "batch head_index query_pos"] | None = None,
+        causal: bool = True,
+        key_mask: Bool[Tensor, "batch key_pos"] | None = None,
     ) -> None:
         if pattern.shape[-1] != pattern.shape[-2]:
             raise ValueError(
@@ -89,11 +96,23 @@ class LayerGeometry:
         self.block_size = max(1, int(block_size))
         #: ``[b h q]`` heads whose ``z`` an earlier hook changed (see the module docstring); ``None`` = none.
         self.modified = modified if modified is not None and bool(modified.any()) else None
+        self.causal = bool(causal)
+        #: ``[b k]`` real (non-padding) tokens of an encoder's batch; ``None`` = all real.
+        self.key_mask = key_mask if key_mask is not None and not bool(key_mask.all()) else None
         self._metrics: dict[str, Tensor] = {}
 
     @classmethod
     def from_activations(cls, acts: LayerActivations, *, block_size: int = BLOCK_SIZE) -> LayerGeometry:
-        return cls(acts.pattern, acts.v, acts.z, acts.W_O, block_size=block_size, modified=acts.modified)
+        return cls(
+            acts.pattern,
+            acts.v,
+            acts.z,
+            acts.W_O,
+            block_size=block_size,
+            modified=acts.modified,
+            causal=acts.causal,
+            key_mask=acts.key_mask,
+        )
 
     # ---- outputs and values in d_model (the metrics only need projected_values, for the Gram matrix)
     @cached_property
@@ -201,8 +220,13 @@ class LayerGeometry:
 
     # ---- the metrics of SPEC.md §A, one function each (the formula is in the block kernels below)
     def attention(self) -> HeadScores:
-        """Raw attention, intra-head: ``alpha[h,i,j]``."""
-        return self.pattern
+        """Raw attention, intra-head: ``alpha[h,i,j]`` (0 at an encoder's padded queries too, see ``key_mask``)."""
+        if self.key_mask is None:
+            return self.pattern
+        if "attention" not in self._metrics:
+            real = self.key_mask[:, None, :, None] & self.key_mask[:, None, None, :]  # [b 1 q k]
+            self._metrics["attention"] = self.pattern.masked_fill(~real, 0)
+        return self._metrics["attention"]
 
     def attention_inter(self) -> LayerScores:
         """Raw attention, inter-head: ``mean_h alpha[h,i,j]``."""
@@ -293,7 +317,8 @@ class LayerGeometry:
     def _sweep(
         self, keys: Sequence[str], buffers: dict[str, Tensor] | None = None, *, zeroed: bool = False
     ) -> None:
-        """Compute ``keys`` into ``self._metrics``, one block of queries ``q0:q1`` at a time against keys ``0:q1``.
+        """Compute ``keys`` into ``self._metrics``, one block of queries ``q0:q1`` at a time against keys ``0:q1``
+        (every key when not causal).
 
         Shared products are arranged so that each output is written once per block: with
         ``u[i,h] = o[i,h] @ W_O[h].T`` scaled by ``1/‖o[i,h]‖`` and ``v[j,h]`` by ``1/‖vt[j,h]‖``, one matmul
@@ -363,42 +388,45 @@ class LayerGeometry:
 
         for q0 in range(0, Q, self.block_size):
             q1 = min(q0 + self.block_size, Q)
-            a = alpha[:, :, q0:q1, :q1]
+            k1 = q1 if self.causal else Q  # the keys these queries see
+            a = alpha[:, :, q0:q1, :k1]
 
-            def dst(key: str, q0: int = q0, q1: int = q1) -> Tensor | None:
-                return out[key][..., q0:q1, :q1] if key in out else None
+            def dst(key: str, q0: int = q0, q1: int = q1, k1: int = k1) -> Tensor | None:
+                return out[key][..., q0:q1, :k1] if key in out else None
 
             if "value_weighted" in want:
                 assert vt_norm is not None
-                vw = _value_weighted(a, vt_norm[..., :q1], out=dst("value_weighted"))
+                vw = _value_weighted(a, vt_norm[..., :k1], out=dst("value_weighted"))
                 if mod is not None:
                     vw.masked_fill_(mod[:, :, q0:q1, None], float("nan"))
             if need_ratio:
                 assert vt_norm is not None and inv_oh is not None
                 ratio = _factor_norm_ratio(
-                    vt_norm[..., :q1], inv_oh[:, :, q0:q1], out=dst("factor_norm_ratio")
+                    vt_norm[..., :k1], inv_oh[:, :, q0:q1], out=dst("factor_norm_ratio")
                 )
             if need_vwn:
                 vwn = _value_weighted_normalized(a, ratio, out=dst("value_weighted_normalized"))
             if need_cos:
-                cos = _factor_cos(u_cos[:, :, q0:q1], v_cos[..., :q1], out=dst("factor_cos"))
+                cos = _factor_cos(u_cos[:, :, q0:q1], v_cos[..., :k1], out=dst("factor_cos"))
             if "contribution" in want:
                 _contribution(vwn, cos, out=dst("contribution"))
             if need_share:
-                share = _head_share(a, u_share[:, :, q0:q1], v_t[..., :q1], out=dst("head_share"))
+                share = _head_share(a, u_share[:, :, q0:q1], v_t[..., :k1], out=dst("head_share"))
             if "contribution_inter" in want:
                 _contribution_inter(share, out=dst("contribution_inter"))
             if "attention_inter" in want:
                 _attention_inter(a, out=dst("attention_inter"))
             if need_vwi:
                 a_kept = a if keep is None else a * keep[:, :, q0:q1]  # unmodified heads only
-                vwi = _value_weighted_inter(a_kept, gram[..., :q1], out=dst("value_weighted_inter"))
+                vwi = _value_weighted_inter(a_kept, gram[..., :k1], out=dst("value_weighted_inter"))
             if "value_weighted_normalized_inter" in want:
                 assert inv_ol is not None
                 _value_weighted_normalized_inter(
                     vwi, inv_ol[:, q0:q1, None], out=dst("value_weighted_normalized_inter")
                 )
 
+            if not self.causal:
+                continue
             # not sources: keys after the block, and the block's own upper triangle (key > query)
             if q1 < Q:
                 for t in to_zero:
@@ -410,6 +438,10 @@ class LayerGeometry:
             else:
                 for t in factors:
                     t[..., q0:q1, q0:q1].mul_(lower[:n, :n])
+        if self.key_mask is not None:  # an encoder's padding: neither a source nor a query
+            real = self.key_mask[:, :, None] & self.key_mask[:, None, :]  # [b q k]
+            for k, t in out.items():
+                t.masked_fill_(~(real if k.endswith("_inter") else real[:, None]), 0)
         self._metrics.update(out)
 
 

@@ -6,7 +6,7 @@ Every statistic is a mean over texts and queries ``i >= 1`` (query 0 has a singl
 ``(sum, count)`` pair per head so that batches of texts add up exactly (:func:`score_sums`,
 :func:`add_sums`, :func:`finish_sums`); :class:`ScoreTotals` keeps those pairs per layer, for the heads and
 for the whole layer. The streamed overview over a corpus is
-:func:`mechgeom.analyses.contribution.contribution_overview`; the same numbers from a result in memory are
+:func:`mechgeom.analyses.contribution_overview.contribution_overview`; the same numbers from a result in memory are
 :meth:`mechgeom.analyses.contribution.ContributionResult.summary` (:func:`result_summary`).
 
 This module computes statistics of metric tensors only; it imports no collector, so that
@@ -35,6 +35,7 @@ __all__ = [
     "overview_summary",
     "result_summary",
     "score_sums",
+    "special_token_frame",
     "view_layer_of",
 ]
 
@@ -206,3 +207,48 @@ def result_summary(
     heads, layer_frame = overview_frames(layers, intra, inter)
     n_texts = int(next(iter(intra.values())).shape[0])
     return overview_summary(heads, layer_frame, n_texts)
+
+
+def special_token_frame(
+    layers: Sequence[int],
+    intra: Mapping[str, Float[Tensor, "batch layer head_index query_pos key_pos"]],
+    key_mask: Tensor | None = None,
+) -> pd.DataFrame:
+    """An encoder's special tokens under each metric: one row per ``(layer, head, token)`` with ``token``
+    ``"[CLS]"`` (position 0) or ``"[SEP]"`` (each text's last real position), and for each of
+    :data:`SUMMARY_METRICS` the mean over texts and real queries ``i`` of ``metric[h,i,s]`` (NaN rows
+    skipped), then ``negative_share``: the share of real ``(i, j)`` pairs with ``c[h,i,j] < 0`` among finite
+    ones. ``key_mask [batch, pos]`` marks real tokens (``None``: all real).
+
+    >>> a = torch.full((1, 1, 1, 3, 3), 1 / 3)
+    >>> f = special_token_frame([0], {"attention": a, "value_weighted_normalized": a, "contribution": a})
+    >>> f[["token", "attention"]].round(3).values.tolist()
+    [['[CLS]', 0.333], ['[SEP]', 0.333]]
+    """
+    missing = [m for m in SUMMARY_METRICS if m not in intra]
+    if missing:
+        raise ValueError(f"the special-token table needs the intra-head metric(s) {missing}")
+    first = intra["attention"]
+    B, _, H, Q, _ = first.shape
+    real = torch.ones(B, Q, dtype=torch.bool) if key_mask is None else key_mask.bool().cpu()
+    last = real.sum(-1) - 1  # [b]: each text's [SEP]
+    rows = []
+    for li, layer in enumerate(layers):
+        cols: dict[str, Tensor] = {}
+        for m in SUMMARY_METRICS:
+            t = intra[m][:, li].cpu()  # [b h q k]
+            at_cls = t[..., 0]  # [b h q]
+            at_sep = t.gather(-1, last[:, None, None, None].expand(B, H, Q, 1))[..., 0]
+            for name, x in (("[CLS]", at_cls), ("[SEP]", at_sep)):
+                keep = real[:, None, :].expand_as(x) & ~torch.isnan(x)
+                cols[f"{name}|{m}"] = torch.where(keep, x, 0).sum((0, 2)) / keep.sum((0, 2)).clamp_min(1)
+        c = intra["contribution"][:, li].cpu()
+        pair = (real[:, :, None] & real[:, None, :])[:, None] & ~torch.isnan(c)  # [b h q k]
+        neg = ((c < 0) & pair).sum((0, 2, 3)) / pair.sum((0, 2, 3)).clamp_min(1)
+        for h in range(H):
+            for name in ("[CLS]", "[SEP]"):
+                row: dict[str, Any] = {"layer": int(layer), "head": h, "token": name}
+                row.update({m: float(cols[f"{name}|{m}"][h]) for m in SUMMARY_METRICS})
+                row["negative_share"] = float(neg[h])
+                rows.append(row)
+    return pd.DataFrame(rows)

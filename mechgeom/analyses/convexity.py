@@ -121,7 +121,7 @@ def query_terms(
     ``sq_sink``, ``cross``, ``sq_mean`` (:func:`convexity_terms`, float64, NaN outside ``Q``) and
     ``modified`` (the heads whose ``z`` an earlier hook changed; all False without one)."""
     sq_sink, cross, sq_mean, sink_mass = convexity_terms(geo, sinks, gram=gram)
-    qmask = query_mask(sinks, geo.pattern.shape[-1], geo.pattern.device)
+    qmask = query_mask(sinks, geo.pattern.shape[-1], geo.pattern.device, causal=geo.causal)
 
     def nan_out(x: Tensor) -> Tensor:  # NaN outside Q
         return torch.where(qmask, x, torch.full_like(x, torch.nan))

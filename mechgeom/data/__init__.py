@@ -113,17 +113,20 @@ def load_corpus(
     ``tokenizer`` is a HuggingFace tokenizer or a model with ``.tokenizer`` (then ``n_ctx`` and the BOS
     default are read from the model). Documents are shuffled with ``seed``; each contributes its first
     window. GSM8K problems are short, so for GSM8K consecutive problems are concatenated (separated by
-    a blank line) before cutting windows. With ``prepend_bos`` the first token of each window is BOS.
+    a blank line) before cutting windows. With ``prepend_bos`` the first token of each window is BOS. For an
+    encoder (a model whose attention is bidirectional) each window is ``[CLS] text [SEP]``.
 
     Raises ``ValueError`` for an unknown corpus, ``seq_len`` above ``n_ctx`` or non-positive sizes, and
     when the corpus cannot supply ``n_texts`` windows.
     """
     model = None
+    encoder = False
     if hasattr(tokenizer, "tokenizer") and hasattr(tokenizer, "cfg"):
         model, tokenizer = tokenizer, tokenizer.tokenizer
         n_ctx = int(model.cfg.n_ctx) if n_ctx is None else n_ctx
+        encoder = getattr(model.cfg, "attention_dir", "causal") == "bidirectional"
         if prepend_bos is None:
-            prepend_bos = bool(getattr(model.cfg, "default_prepend_bos", False))
+            prepend_bos = False if encoder else bool(getattr(model.cfg, "default_prepend_bos", False))
     if corpus not in CORPORA:
         raise ValueError(f"unknown corpus {corpus!r}; choose from {list(CORPORA)}")
     if n_texts <= 0 or seq_len <= 0:
@@ -131,7 +134,12 @@ def load_corpus(
     if n_ctx is not None and seq_len > n_ctx:
         raise ValueError(f"seq_len={seq_len} is longer than the model's n_ctx={n_ctx}")
     bos = [tokenizer.bos_token_id] if prepend_bos and tokenizer.bos_token_id is not None else []
-    body = seq_len - len(bos)
+    eos: list[int] = []
+    if encoder:  # an encoder's text is [CLS] body [SEP], as its tokenizer writes it
+        bos, eos = [int(tokenizer.cls_token_id)], [int(tokenizer.sep_token_id)]
+    body = seq_len - len(bos) - len(eos)
+    if body <= 0:
+        raise ValueError(f"seq_len={seq_len} leaves no room for text beside the special tokens")
     docs = corpus_texts(corpus)
     rng = random.Random(seed)
     order = list(range(len(docs)))
@@ -142,7 +150,7 @@ def load_corpus(
         for idx in order:
             stream += tokenizer(docs[idx] + "\n\n", add_special_tokens=False)["input_ids"]
             while len(stream) >= body and len(windows) < n_texts:
-                windows.append(bos + stream[:body])
+                windows.append(bos + stream[:body] + eos)
                 stream = []
             if len(windows) == n_texts:
                 break
@@ -150,7 +158,7 @@ def load_corpus(
         for idx in order:
             ids = tokenizer(docs[idx], add_special_tokens=False)["input_ids"]
             if len(ids) >= body:
-                windows.append(bos + ids[:body])
+                windows.append(bos + ids[:body] + eos)
             if len(windows) == n_texts:
                 break
     if len(windows) < n_texts:

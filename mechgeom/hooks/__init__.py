@@ -1,5 +1,5 @@
 """The hooks layer: readers that stream ``hook_pattern``/``hook_v``/``hook_z`` into collectors
-(:mod:`mechgeom.hooks.readers`), every intervention factory (:mod:`mechgeom.hooks.interventions`), and the
+(:mod:`mechgeom.hooks.readers`), the input validators (:mod:`mechgeom.hooks.validation`), every intervention factory (:mod:`mechgeom.hooks.interventions`), and the
 position sets they share (:mod:`mechgeom.hooks.masks`). Nothing here imports an analysis.
 
 >>> from mechgeom.hooks import hook_name
@@ -13,5 +13,7 @@ from mechgeom.hooks.masks import *  # noqa: F403
 from mechgeom.hooks.masks import __all__ as _masks
 from mechgeom.hooks.readers import *  # noqa: F403
 from mechgeom.hooks.readers import __all__ as _readers
+from mechgeom.hooks.validation import *  # noqa: F403
+from mechgeom.hooks.validation import __all__ as _validation
 
-__all__ = sorted({*_readers, *_masks, *_interventions})
+__all__ = sorted({*_readers, *_validation, *_masks, *_interventions})

@@ -28,7 +28,8 @@ import torch
 from transformer_lens.hook_points import HookPoint
 
 from mechgeom.hooks.masks import masked_mean, query_mask, resolve_sinks, sink_mask
-from mechgeom.hooks.readers import FwdHook, hook_name, resolve_heads, resolve_layers
+from mechgeom.hooks.readers import FwdHook, hook_name
+from mechgeom.hooks.validation import resolve_heads, resolve_layers
 from mechgeom.maths import rank_dtype, stable_ranks
 from mechgeom.typing import Bool, Float, Int, Pattern, SourceRanks, Tensor, Z
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -20,6 +21,7 @@ __all__ = [
     "query_mask",
     "resolve_sinks",
     "sink_mask",
+    "sink_positions_per_text",
 ]
 
 
@@ -44,6 +46,14 @@ def check_sink_positions(
     """
     if sink_positions is None:
         return (0,)
+    named = isinstance(sink_positions, str) or (
+        isinstance(sink_positions, Sequence) and any(isinstance(s, str) for s in sink_positions)
+    )
+    if named:
+        raise ValueError(
+            f"sink names in {sink_positions!r} are resolved per text by sink_statistics (on an encoder); "
+            "give positions here"
+        )
     out: tuple[int, ...]
     if isinstance(sink_positions, int) or hasattr(sink_positions, "__index__"):
         out = (operator.index(sink_positions),)  # type: ignore[arg-type]
@@ -79,9 +89,72 @@ def sink_mask(sinks: Sequence[int], pos: int, device: torch.device | str = "cpu"
     return mask
 
 
-def query_mask(sinks: Sequence[int], pos: int, device: torch.device | str = "cpu") -> torch.Tensor:
-    """``[pos]`` bool, True on ``Q = {i : i > max(S)}``."""
+def query_mask(
+    sinks: Sequence[int], pos: int, device: torch.device | str = "cpu", *, causal: bool = True
+) -> torch.Tensor:
+    """``[pos]`` bool, True on ``Q = {i : i > max(S)}``: the queries that see every sink and a non-sink.
+
+    On an encoder (``causal=False``) every query sees every position, so ``Q`` is every position.
+
+    >>> query_mask([0, 3], 4, causal=False).tolist()
+    [True, True, True, True]
+    """
+    if not causal:
+        return torch.ones(pos, dtype=torch.bool, device=device)
     return torch.arange(pos, device=device) > max(sinks)
+
+
+def sink_positions_per_text(
+    model: Any,
+    tokens: Tensor,
+    sink_positions: int | str | Sequence[int | str] | None,
+    lengths: Sequence[int] | None = None,
+) -> list[list[int]]:
+    """The sink set of each text: positions as given, and special tokens named (``"[CLS]"``, ``"[SEP]"``)
+    resolved in each text to the one position where that token stands.
+
+    A name must be a single token of the model's tokenizer and occur exactly once in each text (its first
+    ``lengths[b]`` tokens; default: all), else ``ValueError`` naming the text; a position must lie in the
+    text. Positions come back sorted, as :func:`resolve_sinks` gives.
+
+    >>> from types import SimpleNamespace
+    >>> tok = SimpleNamespace(convert_tokens_to_ids=lambda t: {"[CLS]": 1, "[SEP]": 2}.get(t, 0), unk_token_id=0)
+    >>> m = SimpleNamespace(tokenizer=tok)
+    >>> sink_positions_per_text(m, torch.tensor([[1, 7, 2, 0], [1, 7, 8, 2]]), ["[CLS]", "[SEP]"])
+    [[0, 2], [0, 3]]
+    """
+    given = [sink_positions] if isinstance(sink_positions, int | str) else sink_positions
+    names = [s for s in (given or []) if isinstance(s, str)]
+    n_texts = int(tokens.shape[0])
+    sizes = [int(tokens.shape[1])] * n_texts if lengths is None else [int(n) for n in lengths]
+    if not names:
+        return [resolve_sinks(sink_positions, n) for n in sizes]  # type: ignore[arg-type]
+    tok = getattr(model, "tokenizer", None)
+    if tok is None:
+        raise ValueError(f"sink names {names} need the model's tokenizer; this model has none")
+    ids = {}
+    for name in names:
+        tid = tok.convert_tokens_to_ids(name)
+        if tid is None or (
+            tid == getattr(tok, "unk_token_id", None) and name != getattr(tok, "unk_token", None)
+        ):
+            raise ValueError(f"sink name {name!r} is not a token of the model's tokenizer")
+        ids[name] = int(tid)
+    out = []
+    for b in range(n_texts):
+        row: list[int] = []
+        for s in given:  # type: ignore[union-attr]
+            if isinstance(s, str):
+                where = (tokens[b, : sizes[b]] == ids[s]).nonzero().flatten().tolist()
+                if len(where) != 1:
+                    raise ValueError(
+                        f"sink name {s!r} occurs {len(where)} times in text {b}; it must occur exactly once"
+                    )
+                row.append(int(where[0]))
+            else:
+                row.append(operator.index(s))
+        out.append(resolve_sinks(row, sizes[b]))
+    return out
 
 
 def masked_mean(x: Tensor, mask: Tensor, dim: int) -> Tensor:

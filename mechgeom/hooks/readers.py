@@ -16,7 +16,6 @@ them, so an analysis streams over layers and never holds more than one layer's a
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -26,16 +25,13 @@ import torch
 from transformer_lens.hook_points import HookPoint
 
 from mechgeom._progress import progress
+from mechgeom.hooks.validation import TokensOrText, is_bidirectional, padding_mask, resolve_layers, to_tokens
 from mechgeom.typing import WO, Bool, Float, HeadOut, Pattern, Tensor, Tokens, Values, Z
 
 __all__ = [
     "FwdHook",
     "LayerActivations",
     "LayerCollector",
-    "TokensOrText",
-    "check_decoder",
-    "check_index",
-    "check_indices",
     "collect",
     "expand_kv",
     "has_hooks",
@@ -45,11 +41,8 @@ __all__ = [
     "layer_b_O",
     "modified_mask",
     "modified_pairs",
-    "resolve_heads",
-    "resolve_layers",
     "run_batches",
     "run_hooks",
-    "to_tokens",
 ]
 
 HookKind = Literal["pattern", "v", "z", "attn_out", "q", "k", "result"]
@@ -62,173 +55,6 @@ def hook_name(layer: int, kind: HookKind) -> str:
     if kind == "attn_out":
         return f"blocks.{layer}.hook_attn_out"
     return f"blocks.{layer}.attn.hook_{kind}"
-
-
-# --------------------------------------------------------------------------- validation
-
-
-def _n_layers(model: Any) -> int:
-    return int(model.cfg.n_layers)
-
-
-def resolve_layers(model: Any, layers: int | Sequence[int] | None) -> list[int]:
-    """``None`` means every layer; an int or a list is checked against ``n_layers``.
-
-    Raises ``IndexError`` for a layer out of range and ``ValueError`` for duplicates or an empty list.
-    """
-    n = _n_layers(model)
-    if layers is None:
-        return list(range(n))
-    out = [int(layers)] if isinstance(layers, int) else [int(x) for x in layers]
-    if not out:
-        raise ValueError("layers is empty; pass None for every layer")
-    bad = [x for x in out if not 0 <= x < n]
-    if bad:
-        raise IndexError(f"layer(s) {bad} out of range: the model has {n} layers (0..{n - 1})")
-    if len(set(out)) != len(out):
-        raise ValueError(f"duplicate layers in {out}")
-    return out
-
-
-def resolve_heads(model: Any, heads: int | Sequence[int] | None) -> list[int]:
-    """``None`` means every head; otherwise checked against ``n_heads`` like :func:`resolve_layers`."""
-    n = int(model.cfg.n_heads)
-    if heads is None:
-        return list(range(n))
-    out = [int(heads)] if isinstance(heads, int) else [int(x) for x in heads]
-    if not out:
-        raise ValueError("heads is empty; pass None for every head")
-    bad = [x for x in out if not 0 <= x < n]
-    if bad:
-        raise IndexError(f"head(s) {bad} out of range: the model has {n} heads per layer (0..{n - 1})")
-    if len(set(out)) != len(out):
-        raise ValueError(f"duplicate heads in {out}")
-    return out
-
-
-def check_index(value: Any, size: int, what: str) -> int:
-    """One index into an axis of ``size``: ints, numpy integers and 0-d integer tensors; no negatives.
-
-    >>> check_index(8, 9, "head")
-    8
-    >>> check_index(-1, 9, "head")
-    Traceback (most recent call last):
-    ...
-    IndexError: head -1 out of range (0..8)
-    """
-    try:
-        index = operator.index(value)
-    except TypeError:
-        raise IndexError(f"{what} {value!r} is not an integer index") from None
-    if not 0 <= index < size:
-        raise IndexError(f"{what} {value!r} out of range (0..{size - 1})")
-    return index
-
-
-def check_indices(values: Any, size: int, what: str) -> list[int]:
-    """A filter of indices (``None`` = all, an int, or a sequence), each checked by :func:`check_index`."""
-    if values is None:
-        return list(range(size))
-    if isinstance(values, int | Tensor) or hasattr(values, "__index__"):
-        return [check_index(values, size, what)]
-    return [check_index(x, size, what) for x in values]
-
-
-def check_decoder(model: Any) -> None:
-    """Raise ``TypeError`` for an encoder (BERT-style) model: the analyses need causal attention."""
-    cfg = model.cfg
-    if getattr(cfg, "attention_dir", "causal") != "causal" or "Encoder" in type(model).__name__:
-        raise TypeError(
-            f"{type(model).__name__} is not a causal decoder (attention_dir="
-            f"{getattr(cfg, 'attention_dir', None)!r}); mechgeom's analyses need causal self-attention"
-        )
-
-
-#: What every entry point accepts as input: text, texts, one sequence of token ids, or ``[pos]`` /
-#: ``[batch, pos]`` integer tensors.
-TokensOrText = str | Sequence[str] | Sequence[int] | Tensor
-
-
-def to_tokens(
-    model: Any, tokens_or_text: TokensOrText, *, min_pos: int = 1, what: str = "this analysis"
-) -> Tokens:
-    """The one token validator: ids ``[batch, pos]`` from text (the model's tokenizer and BOS rule) or ids.
-
-    Accepts a string, a list of strings, a list of ints (one sequence), or a 1-D or 2-D integer tensor.
-    Raises ``TypeError`` for other types and for float or bool tensors (naming the dtype), and
-    ``ValueError`` for empty input, blank text, an id outside ``0..d_vocab-1`` (naming the id), more
-    than ``n_ctx`` positions, or fewer than ``min_pos`` (what ``what`` needs).
-
-    >>> from types import SimpleNamespace
-    >>> m = SimpleNamespace(cfg=SimpleNamespace(d_vocab=10, n_ctx=4, device="cpu"))
-    >>> to_tokens(m, [1, 2, 3]).tolist()
-    [[1, 2, 3]]
-    >>> to_tokens(m, torch.tensor([1, 12]))
-    Traceback (most recent call last):
-    ...
-    ValueError: token id 12 is out of range: the model's vocabulary has 10 ids (0..9)
-    """
-    check_decoder(model)
-    cfg = model.cfg
-    x = tokens_or_text
-    texts: list[str] | None = None
-    if isinstance(x, str):
-        texts = [x]
-    elif isinstance(x, Tensor):
-        tokens = x
-    elif isinstance(x, Sequence) and not isinstance(x, bytes | bytearray):
-        items = list(x)
-        if not items:
-            raise ValueError("empty input: give a string, a list of strings, a list of token ids or a tensor")
-        if all(isinstance(t, str) for t in items):
-            texts = [str(t) for t in items]
-        elif all(hasattr(t, "__index__") and not isinstance(t, bool | Tensor) for t in items):
-            ids = [operator.index(t) for t in items]  # type: ignore[arg-type]
-            bad = [t for t in ids if not 0 <= t < int(cfg.d_vocab)]
-            if bad:
-                raise ValueError(_id_error(bad[0], int(cfg.d_vocab)))
-            tokens = torch.tensor([ids], dtype=torch.long)
-        else:
-            kinds = sorted({type(t).__name__ for t in items})
-            raise TypeError(
-                f"a list input must hold only strings (texts) or only ints (one sequence of token ids), got {kinds}"
-            )
-    else:
-        raise TypeError(
-            "tokens_or_text must be a string, a list of strings, a list of ints or an integer tensor, "
-            f"got {type(x).__name__}"
-        )
-    if texts is not None:
-        if any(not t.strip() for t in texts):
-            raise ValueError("empty text: give at least one non-blank string")
-        tokens = model.to_tokens(texts if len(texts) > 1 else texts[0], truncate=False)
-    if tokens.dtype == torch.bool or tokens.dtype.is_floating_point or tokens.dtype.is_complex:
-        raise TypeError(f"token ids must be an integer tensor, got dtype {tokens.dtype}")
-    if tokens.ndim == 1:
-        tokens = tokens[None]
-    if tokens.ndim != 2:
-        raise ValueError(f"tokens must be [batch, pos] or [pos], got shape {tuple(tokens.shape)}")
-    if tokens.shape[0] == 0 or tokens.shape[1] == 0:
-        raise ValueError(f"empty input: no tokens (shape {tuple(tokens.shape)})")
-    d_vocab = int(cfg.d_vocab)
-    lo, hi = int(tokens.min()), int(tokens.max())
-    if lo < 0 or hi >= d_vocab:
-        raise ValueError(_id_error(lo if lo < 0 else hi, d_vocab))
-    n_ctx = int(cfg.n_ctx)
-    if tokens.shape[1] > n_ctx:
-        raise ValueError(f"sequence of {tokens.shape[1]} tokens is longer than the model's n_ctx={n_ctx}")
-    if tokens.shape[1] < min_pos:
-        raise ValueError(
-            f"{what} needs at least {min_pos} positions per text, got {tokens.shape[1]} "
-            f"(shape {tuple(tokens.shape)})"
-        )
-    return tokens.long().to(cfg.device)
-
-
-def _id_error(token_id: int, d_vocab: int) -> str:
-    if token_id < 0:
-        return f"token id {token_id} is negative: ids must lie in 0..{d_vocab - 1}"
-    return f"token id {token_id} is out of range: the model's vocabulary has {d_vocab} ids (0..{d_vocab - 1})"
 
 
 # --------------------------------------------------------------------------- shared maths
@@ -336,7 +162,9 @@ class LayerActivations:
     """One layer's attention activations, as seen by the hooks (``v`` already GQA-expanded).
 
     ``modified[b, h, i]`` is ``True`` where ``z`` is not ``sum_j alpha v_j`` (an earlier hook changed it, see
-    :func:`modified_mask`); ``None`` means "not checked" (treated as unmodified).
+    :func:`modified_mask`); ``None`` means "not checked" (treated as unmodified). ``causal`` is ``False`` for an
+    encoder, whose queries see every key; ``key_mask[b, j]`` is then ``False`` at padding (a key no query of
+    text ``b`` attends to, in any head), ``None`` when there is none.
     """
 
     layer: int
@@ -346,6 +174,8 @@ class LayerActivations:
     W_O: WO
     b_O: Float[Tensor, " d_model"]
     modified: Bool[Tensor, "batch head_index query_pos"] | None = None
+    causal: bool = True
+    key_mask: Bool[Tensor, "batch key_pos"] | None = None
 
     @property
     def any_modified(self) -> bool:
@@ -356,6 +186,12 @@ class LayerActivations:
         if self.modified is None:
             return []
         return [int(h) for h in self.modified.any(dim=2).any(dim=0).nonzero().flatten().tolist()]
+
+
+def _attended_keys(pattern: Pattern) -> Bool[Tensor, "batch key_pos"] | None:
+    """Keys some query attends to in some head, per text: an encoder's padding is the rest (``None``: no padding)."""
+    seen = pattern.detach().amax(dim=(1, 2)) > 0  # [b k]
+    return None if bool(seen.all()) else seen
 
 
 class LayerCollector:
@@ -390,8 +226,8 @@ class LayerCollector:
         self.on_layer = on_layer
         self.detach = detach
         self.modified_rtol = modified_rtol
-        #: The pattern is a decoder's (0 above the diagonal), unless the config says it is bidirectional.
-        self.causal = getattr(getattr(model, "cfg", None), "attention_dir", "causal") != "bidirectional"
+        #: The pattern is a decoder's (0 above the diagonal), unless the model is an encoder (bidirectional).
+        self.causal = not is_bidirectional(model)
         self._pending: dict[int, dict[str, Tensor]] = {}
         self.captured: dict[int, LayerActivations] = {}
 
@@ -414,6 +250,8 @@ class LayerCollector:
                 W_O=layer_W_O(self.model, layer).detach(),
                 b_O=layer_b_O(self.model, layer).detach(),
                 modified=modified,
+                causal=self.causal,
+                key_mask=None if self.causal else _attended_keys(slot["pattern"]),
             )
             if self.on_layer is None:
                 self.captured[layer] = acts
@@ -453,11 +291,28 @@ def run_hooks(
     *,
     return_type: str | None = None,
     stop_at_layer: int | None = None,
+    attention_mask: Bool[Tensor, "batch pos"] | None = None,
 ) -> Any:
-    """One forward pass with ``fwd_hooks``; the hooks are removed afterwards, also if a hook raises."""
+    """One forward pass with ``fwd_hooks``; the hooks are removed afterwards, also if a hook raises.
+
+    On an encoder, ``attention_mask`` (default: :func:`~mechgeom.hooks.validation.padding_mask` of
+    ``tokens``) keeps padded keys out of every query's attention: ``one_zero_attention_mask`` for a
+    ``HookedEncoder`` (which has no ``stop_at_layer``, so the whole model runs), ``attention_mask`` for a
+    bridge.
+    """
     kwargs: dict[str, Any] = {"return_type": return_type}
-    if stop_at_layer is not None:
+    encoder = type(model).__name__ == "HookedEncoder"
+    if stop_at_layer is not None and not encoder:
         kwargs["stop_at_layer"] = stop_at_layer
+    if attention_mask is None and is_bidirectional(model):
+        attention_mask = padding_mask(model, tokens)
+    if attention_mask is not None:
+        if type(model).__name__ == "HookedTransformer" and is_bidirectional(model):
+            raise ValueError(
+                "a bidirectional HookedTransformer ignores attention masks (TransformerLens applies them with "
+                "the causal mask only), so padding would be attended; use a HookedEncoder or a bridge"
+            )
+        kwargs["one_zero_attention_mask" if encoder else "attention_mask"] = attention_mask.to(torch.long)
     with torch.no_grad(), model.hooks(fwd_hooks=list(fwd_hooks), reset_hooks_end=True):
         return model(tokens, **kwargs)
 
@@ -553,7 +408,8 @@ def collect(
             raise TypeError(f"collectors[{i}] ({type(c).__name__}) is not a collector: no fwd_hooks/result")
     if len({id(c) for c in cols}) < len(cols):
         raise ValueError("the same collector is given twice: it would read every layer twice")
-    tokens = to_tokens(model, tokens, what="collect")
+    encoders = all(getattr(c, "supports_encoders", False) for c in cols)  # an encoder needs every one to
+    tokens = to_tokens(model, tokens, what="collect with these collectors", encoders=encoders)
     layer_sets = [getattr(c, "layers", None) for c in cols]
     stop = None if not all(layer_sets) else 1 + max(max(ls) for ls in layer_sets)  # type: ignore[arg-type]
     groups: dict[tuple[int, float | None, bool], list[LayerCollector]] = {}

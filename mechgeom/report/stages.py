@@ -27,7 +27,7 @@ def _contribution_params(s: ReportSettings) -> dict[str, Any]:
 
 def _run_contributions(ctx: StageContext, p: dict[str, Any]) -> StageOutput:
     from mechgeom import viz
-    from mechgeom.analyses.contribution import contribution_overview
+    from mechgeom.analyses.contribution_overview import contribution_overview
 
     overview = contribution_overview(
         ctx.model, ctx.tokens[: p["n_texts"]], batch_size=p["batch_size"], verbose=ctx.verbose

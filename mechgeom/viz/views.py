@@ -16,7 +16,7 @@ attention shares that scale, so an attention weight and a contribution weight of
 colour. The token view scales to ``max |w|`` of the query's sources so that small negative weights stay
 visible. NaN weights (a zero output norm, see :mod:`mechgeom.analyses.contribution`) are drawn as 0 (white) and the
 caption says how many there were. Entries above the diagonal are masked (grey) as circuitsvis does for
-causal attention.
+causal attention (not for an encoder's result, whose queries see every key).
 """
 
 from __future__ import annotations
@@ -134,7 +134,9 @@ def _scale_note(scale: float) -> str:
 # --------------------------------------------------------------------------- views
 
 
-def _attention_heads(panels: list[Tensor], names: list[str], tokens: list[str], scale: float) -> _Rendered:
+def _attention_heads(
+    panels: list[Tensor], names: list[str], tokens: list[str], scale: float, causal: bool = True
+) -> _Rendered:
     from circuitsvis.attention import attention_heads
 
     return attention_heads(
@@ -145,7 +147,7 @@ def _attention_heads(panels: list[Tensor], names: list[str], tokens: list[str], 
         min_value=-scale,
         negative_color=NEGATIVE_COLOR,
         positive_color=POSITIVE_COLOR,
-        mask_upper_tri=True,
+        mask_upper_tri=causal,  # an encoder's queries see every key
     )
 
 
@@ -173,7 +175,7 @@ def head_view(
         panels.append(t)
         n_nan += n
     names = [f"{_LABELS.get(m, m)} L{layer}H{head}" for m in metrics]
-    view = _attention_heads(panels, names, _tokens(result, batch), scale)
+    view = _attention_heads(panels, names, _tokens(result, batch), scale, result.causal)
     caption = f"Layer {layer}, head {head}: {', '.join(names)}. " + _scale_note(scale) + _nan_note(n_nan)
     return View(f"{result.model_name or 'model'} L{layer}H{head}", [(caption, view)])
 
@@ -203,7 +205,7 @@ def layer_view(
             panels.append(t)
             names.append(f"{_LABELS.get(m, m)} layer")
             n_nan += n
-    view = _attention_heads(panels, names, _tokens(result, batch), scale)
+    view = _attention_heads(panels, names, _tokens(result, batch), scale, result.causal)
     caption = f"Layer {layer}, {n_heads} heads and the whole layer. " + _scale_note(scale) + _nan_note(n_nan)
     return View(f"{result.model_name or 'model'} layer {layer}", [(caption, view)])
 

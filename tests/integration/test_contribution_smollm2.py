@@ -14,11 +14,11 @@ from mechgeom.analyses.contribution import (
     INTER_METRICS,
     INTRA_METRICS,
     ContributionCollector,
-    contribution_overview,
     contribution_weights,
     contribution_weights_from_cache,
     reconstruct_attn_out,
 )
+from mechgeom.analyses.contribution_overview import contribution_overview
 from mechgeom.hooks import LayerCollector, has_hooks, run_hooks
 
 pytestmark = pytest.mark.integration

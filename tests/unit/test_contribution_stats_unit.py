@@ -13,11 +13,8 @@ import pytest
 import torch
 from conftest import make_tiny, random_tokens
 
-from mechgeom.analyses.contribution import (
-    ContributionOverview,
-    contribution_overview,
-    contribution_weights,
-)
+from mechgeom.analyses.contribution import contribution_weights
+from mechgeom.analyses.contribution_overview import ContributionOverview, contribution_overview
 from mechgeom.analyses.contribution_stats import (
     HEAD_STATISTICS,
     ScoreTotals,

@@ -462,8 +462,12 @@ def test_bad_input_errors() -> None:
 
 
 @needs_hooked
-def test_encoder_models_are_refused() -> None:
+def test_encoder_models_are_refused_where_an_analysis_needs_a_decoder() -> None:
+    """Contribution weights accept encoders (tests/unit/test_encoder_contribution_unit.py); the analyses
+    built on a causal pattern still refuse both kinds of TransformerLens 3 encoder, by name."""
     from transformer_lens import HookedEncoder, HookedTransformer, HookedTransformerConfig
+
+    from mechgeom import classify_heads, token_selection
 
     cfg = HookedTransformerConfig(
         n_layers=1,
@@ -479,8 +483,10 @@ def test_encoder_models_are_refused() -> None:
     )
     tokens = torch.tensor([[1, 2, 3]])
     for model in (HookedTransformer(cfg), HookedEncoder(cfg)):
-        with pytest.raises(TypeError, match="not a causal decoder"):
-            contribution_weights(model, tokens)
+        for fn in (token_selection, classify_heads):
+            with pytest.raises(TypeError, match=r"not a causal decoder.*supports causal decoders only"):
+                fn(model, tokens)
+        assert not has_hooks(model)
 
 
 def test_streaming_with_reused_buffers_and_result_written_in_place() -> None:
@@ -660,12 +666,13 @@ def test_verbose_shows_a_bar_over_layers_and_changes_nothing(capsys, monkeypatch
 
 def test_geometry_lives_in_its_module_and_uses_the_shared_gram() -> None:
     from mechgeom import maths
-    from mechgeom.analyses import contribution, contribution_geometry
+    from mechgeom.analyses import contribution, contribution_geometry, contribution_overview
 
     assert contribution.LayerGeometry is contribution_geometry.LayerGeometry
     assert contribution.INTRA_METRICS is contribution_geometry.INTRA_METRICS
     assert contribution.INTER_METRICS is contribution_geometry.INTER_METRICS
-    assert {"LayerGeometry", "ContributionOverview", "contribution_overview"} <= set(contribution.__all__)
+    assert "LayerGeometry" in contribution.__all__
+    assert {"ContributionOverview", "contribution_overview"} <= set(contribution_overview.__all__)
     assert not hasattr(contribution, "_wo_gram_full") and not hasattr(contribution_geometry, "_WO_GRAMS")
     model = make_tiny(n_kv=2, seed=47)
     _, cache = model.run_with_cache(random_tokens(1, 5, seed=48))

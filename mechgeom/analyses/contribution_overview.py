@@ -1,0 +1,121 @@
+"""Headline statistics of contribution weights streamed over a corpus (SPEC.md §A, paper A).
+
+:func:`contribution_overview` runs :class:`~mechgeom.analyses.contribution.ContributionCollector` batch by
+batch and reduces each layer at once to the ``(sum, count)`` pairs of
+:mod:`mechgeom.analyses.contribution_stats`; :meth:`ContributionResult.summary` gives the same numbers for a
+result in memory.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import pandas as pd
+
+from mechgeom.analyses.contribution import ContributionCollector, ContributionResult, _str_tokens
+from mechgeom.analyses.contribution_stats import SUMMARY_METRICS, ScoreTotals, overview_summary, view_layer_of
+from mechgeom.hooks import FwdHook, run_batches, to_tokens
+from mechgeom.typing import Tensor
+
+__all__ = ["ContributionOverview", "contribution_overview"]
+
+
+@dataclass
+class ContributionOverview:
+    """Headline statistics of contribution weights over a corpus (:func:`contribution_overview`).
+
+    ``heads``: one row per ``(layer, head)``, columns ``layer, head`` and the statistics of
+    :func:`~mechgeom.analyses.contribution_stats.score_sums` (``sink_attention``,
+    ``sink_value_weighted_normalized``, ``sink_contribution``, ``negative_share``, ``top1_agreement``,
+    ``tv_attention_contribution``: means over texts and queries ``i >= 1``); ``layers``: the same
+    statistics of the whole-layer (inter-head) metrics, one row per layer. ``view_layer`` is the layer of
+    largest whole-layer TV (the first if all are NaN) and ``view`` its intra/inter ``attention`` and
+    ``contribution`` for text 0.
+    """
+
+    heads: pd.DataFrame
+    layers: pd.DataFrame
+    view_layer: int
+    view: ContributionResult
+    n_texts: int
+
+    def to_frame(self) -> pd.DataFrame:
+        """The per-head table :attr:`heads`."""
+        return self.heads
+
+    def summary(self) -> dict[str, Any]:
+        """``{"n_heads", "n_texts", "sink_attention", "sink_contribution", "sink_value_weighted_normalized",
+        "negative_share", "top1_agreement", "view_layer", "view_layer_tv"}``: means over heads and the
+        view layer with its whole-layer TV (the same keys as :meth:`ContributionResult.summary`)."""
+        return overview_summary(self.heads, self.layers, self.n_texts)
+
+
+def contribution_overview(
+    model: Any,
+    tokens_or_text: str | Sequence[str] | Tensor,
+    *,
+    layers: int | Sequence[int] | None = None,
+    batch_size: int = 4,
+    extra_hooks: Sequence[FwdHook] = (),
+    verbose: bool = False,
+) -> ContributionOverview:
+    """Headline statistics of contribution weights over many texts, ``batch_size`` texts per pass.
+
+    Streams :class:`ContributionCollector` (``on_layer``) with the metrics ``attention``,
+    ``value_weighted_normalized`` and ``contribution``: each layer's metrics are reduced to ``(sum, count)``
+    pairs (:class:`~mechgeom.analyses.contribution_stats.ScoreTotals`) as soon as they are computed, so
+    memory stays at one layer of one batch (plus text 0 of each layer for the view). ``verbose`` shows a
+    progress bar over the batches.
+
+    >>> import torch
+    >>> from transformer_lens.config import TransformerBridgeConfig
+    >>> from transformer_lens.model_bridge import TransformerBridge
+    >>> cfg = TransformerBridgeConfig(n_layers=2, d_model=8, n_ctx=8, d_head=4, n_heads=2,
+    ...                               attn_only=True, d_vocab=10, seed=0)
+    >>> model = TransformerBridge.boot_native(cfg)
+    >>> ov = contribution_overview(model, torch.tensor([[1, 2, 3, 4], [4, 3, 2, 1]]), batch_size=1)
+    >>> ov.summary()["n_heads"], ov.summary()["n_texts"], ov.view.layers == [ov.view_layer]
+    (4, 2, True)
+    """
+    if int(batch_size) < 1:
+        raise ValueError(f"batch_size must be at least 1, got {batch_size}")
+    tokens = to_tokens(model, tokens_or_text)
+    totals = ScoreTotals()
+    first: dict[int, dict[str, dict[str, Tensor]]] = {}
+    kept = ("attention", "contribution")
+
+    def on_layer(layer: int, m: dict[str, dict[str, Tensor]]) -> None:
+        intra, inter = m["intra"], m["inter"]  # [b h q k] and [b q k]
+        totals.add(layer, intra, inter)
+        if layer not in first:  # text 0 (first batch) for the view
+            first[layer] = {
+                "intra": {k: intra[k][:1].clone() for k in kept},
+                "inter": {k: inter[k][:1].clone() for k in kept},
+            }
+
+    metrics = list(SUMMARY_METRICS)
+    col = ContributionCollector(model, layers, intra=metrics, inter=metrics, on_layer=on_layer)
+    stop = max(col.layers) + 1
+    hooks = [*extra_hooks, *col.fwd_hooks]
+    run_batches(
+        model,
+        tokens,
+        hooks,
+        batch_size=int(batch_size),
+        stop_at_layer=stop,
+        desc="contributions",
+        verbose=verbose,
+    )
+    heads, layer_frame = totals.heads_frame(), totals.layers_frame()
+    view_layer = view_layer_of(layer_frame)
+    view = ContributionResult(
+        layers=[view_layer],
+        tokens=tokens[:1].cpu(),
+        intra={k: v[:, None] for k, v in first[view_layer]["intra"].items()},
+        inter={k: v[:, None] for k, v in first[view_layer]["inter"].items()},
+        str_tokens=_str_tokens(model, tokens[:1]),
+        model_name=str(getattr(model.cfg, "model_name", "")),
+    )
+    return ContributionOverview(heads, layer_frame, view_layer, view, n_texts=int(tokens.shape[0]))

@@ -1,0 +1,258 @@
+"""Input validation shared by every entry point: the one token validator and the index filters.
+
+Layers, heads and positions are checked with errors that name the valid range; :func:`to_tokens` turns
+text or ids into a ``[batch, pos]`` tensor and refuses bad dtypes, ids out of range, empty or over-long
+input. :func:`padding_mask` gives an encoder's ``[batch, pos]`` mask of real (non-padding) tokens.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from mechgeom.typing import Bool, Tensor, Tokens
+
+__all__ = [
+    "TokensOrText",
+    "check_decoder",
+    "check_index",
+    "check_indices",
+    "is_bidirectional",
+    "padding_mask",
+    "resolve_heads",
+    "resolve_layers",
+    "to_tokens",
+    "token_strings",
+]
+
+
+def _n_layers(model: Any) -> int:
+    return int(model.cfg.n_layers)
+
+
+def resolve_layers(model: Any, layers: int | Sequence[int] | None) -> list[int]:
+    """``None`` means every layer; an int or a list is checked against ``n_layers``.
+
+    Raises ``IndexError`` for a layer out of range and ``ValueError`` for duplicates or an empty list.
+    """
+    n = _n_layers(model)
+    if layers is None:
+        return list(range(n))
+    out = [int(layers)] if isinstance(layers, int) else [int(x) for x in layers]
+    if not out:
+        raise ValueError("layers is empty; pass None for every layer")
+    bad = [x for x in out if not 0 <= x < n]
+    if bad:
+        raise IndexError(f"layer(s) {bad} out of range: the model has {n} layers (0..{n - 1})")
+    if len(set(out)) != len(out):
+        raise ValueError(f"duplicate layers in {out}")
+    return out
+
+
+def resolve_heads(model: Any, heads: int | Sequence[int] | None) -> list[int]:
+    """``None`` means every head; otherwise checked against ``n_heads`` like :func:`resolve_layers`."""
+    n = int(model.cfg.n_heads)
+    if heads is None:
+        return list(range(n))
+    out = [int(heads)] if isinstance(heads, int) else [int(x) for x in heads]
+    if not out:
+        raise ValueError("heads is empty; pass None for every head")
+    bad = [x for x in out if not 0 <= x < n]
+    if bad:
+        raise IndexError(f"head(s) {bad} out of range: the model has {n} heads per layer (0..{n - 1})")
+    if len(set(out)) != len(out):
+        raise ValueError(f"duplicate heads in {out}")
+    return out
+
+
+def check_index(value: Any, size: int, what: str) -> int:
+    """One index into an axis of ``size``: ints, numpy integers and 0-d integer tensors; no negatives.
+
+    >>> check_index(8, 9, "head")
+    8
+    >>> check_index(-1, 9, "head")
+    Traceback (most recent call last):
+    ...
+    IndexError: head -1 out of range (0..8)
+    """
+    try:
+        index = operator.index(value)
+    except TypeError:
+        raise IndexError(f"{what} {value!r} is not an integer index") from None
+    if not 0 <= index < size:
+        raise IndexError(f"{what} {value!r} out of range (0..{size - 1})")
+    return index
+
+
+def check_indices(values: Any, size: int, what: str) -> list[int]:
+    """A filter of indices (``None`` = all, an int, or a sequence), each checked by :func:`check_index`."""
+    if values is None:
+        return list(range(size))
+    if isinstance(values, int | Tensor) or hasattr(values, "__index__"):
+        return [check_index(values, size, what)]
+    return [check_index(x, size, what) for x in values]
+
+
+def is_bidirectional(model: Any) -> bool:
+    """Whether ``model`` attends both ways (an encoder: BERT, ``attention_dir="bidirectional"``).
+
+    >>> from types import SimpleNamespace
+    >>> is_bidirectional(SimpleNamespace(cfg=SimpleNamespace(attention_dir="bidirectional")))
+    True
+    """
+    cfg = getattr(model, "cfg", None)
+    return getattr(cfg, "attention_dir", "causal") == "bidirectional" or "Encoder" in type(model).__name__
+
+
+def check_decoder(model: Any, what: str = "this analysis") -> None:
+    """Raise ``TypeError`` for an encoder (BERT-style) model where ``what`` supports causal decoders only."""
+    if is_bidirectional(model):
+        raise TypeError(
+            f"{type(model).__name__} is not a causal decoder (attention_dir="
+            f"{getattr(model.cfg, 'attention_dir', None)!r}); {what} supports causal decoders only "
+            "(on an encoder: contribution weights, sinks and embedding faithfulness)"
+        )
+
+
+def padding_mask(model: Any, tokens: Tokens) -> Bool[Tensor, "batch pos"] | None:
+    """An encoder's mask of real tokens, ``tokens != pad_token_id``; ``None`` when nothing is padding.
+
+    Only for a bidirectional model with a tokenizer that has a pad token (BERT's ``[PAD]`` never occurs in
+    tokenised text); a decoder's padding is right of its text and never seen by it, so ``None`` there.
+
+    >>> from types import SimpleNamespace
+    >>> m = SimpleNamespace(cfg=SimpleNamespace(attention_dir="bidirectional"),
+    ...                     tokenizer=SimpleNamespace(pad_token_id=0))
+    >>> padding_mask(m, torch.tensor([[5, 6, 0]])).tolist()
+    [[True, True, False]]
+    """
+    pad = getattr(getattr(model, "tokenizer", None), "pad_token_id", None)
+    if pad is None or not is_bidirectional(model):
+        return None
+    mask = tokens != int(pad)
+    return None if bool(mask.all()) else mask
+
+
+def _encoder_tokens(model: Any, texts: list[str]) -> Tokens:
+    """An encoder's ids: ``[CLS] text [SEP]``, right-padded with ``[PAD]`` (:func:`padding_mask` finds it)."""
+    enc = model.tokenizer(texts, padding=True, truncation=False, return_tensors="pt")
+    return enc["input_ids"].to(torch.long)
+
+
+#: What every entry point accepts as input: text, texts, one sequence of token ids, or ``[pos]`` /
+#: ``[batch, pos]`` integer tensors.
+TokensOrText = str | Sequence[str] | Sequence[int] | Tensor
+
+
+def to_tokens(
+    model: Any,
+    tokens_or_text: TokensOrText,
+    *,
+    min_pos: int = 1,
+    what: str = "this analysis",
+    encoders: bool = False,
+) -> Tokens:
+    """The one token validator: ids ``[batch, pos]`` from text (the model's tokenizer and BOS rule) or ids.
+
+    Accepts a string, a list of strings, a list of ints (one sequence), or a 1-D or 2-D integer tensor.
+    Raises ``TypeError`` for other types and for float or bool tensors (naming the dtype), and
+    ``ValueError`` for empty input, blank text, an id outside ``0..d_vocab-1`` (naming the id), more
+    than ``n_ctx`` positions, or fewer than ``min_pos`` (what ``what`` needs). An encoder (bidirectional
+    attention) is refused with ``TypeError`` unless ``encoders=True`` (``what`` supports it); its texts become
+    ``[CLS] text [SEP]``, right-padded with ``[PAD]``, which :func:`padding_mask` finds again.
+
+    >>> from types import SimpleNamespace
+    >>> m = SimpleNamespace(cfg=SimpleNamespace(d_vocab=10, n_ctx=4, device="cpu"))
+    >>> to_tokens(m, [1, 2, 3]).tolist()
+    [[1, 2, 3]]
+    >>> to_tokens(m, torch.tensor([1, 12]))
+    Traceback (most recent call last):
+    ...
+    ValueError: token id 12 is out of range: the model's vocabulary has 10 ids (0..9)
+    """
+    if not encoders:
+        check_decoder(model, what)
+    cfg = model.cfg
+    x = tokens_or_text
+    texts: list[str] | None = None
+    if isinstance(x, str):
+        texts = [x]
+    elif isinstance(x, Tensor):
+        tokens = x
+    elif isinstance(x, Sequence) and not isinstance(x, bytes | bytearray):
+        items = list(x)
+        if not items:
+            raise ValueError("empty input: give a string, a list of strings, a list of token ids or a tensor")
+        if all(isinstance(t, str) for t in items):
+            texts = [str(t) for t in items]
+        elif all(hasattr(t, "__index__") and not isinstance(t, bool | Tensor) for t in items):
+            ids = [operator.index(t) for t in items]  # type: ignore[arg-type]
+            bad = [t for t in ids if not 0 <= t < int(cfg.d_vocab)]
+            if bad:
+                raise ValueError(_id_error(bad[0], int(cfg.d_vocab)))
+            tokens = torch.tensor([ids], dtype=torch.long)
+        else:
+            kinds = sorted({type(t).__name__ for t in items})
+            raise TypeError(
+                f"a list input must hold only strings (texts) or only ints (one sequence of token ids), got {kinds}"
+            )
+    else:
+        raise TypeError(
+            "tokens_or_text must be a string, a list of strings, a list of ints or an integer tensor, "
+            f"got {type(x).__name__}"
+        )
+    if texts is not None:
+        if any(not t.strip() for t in texts):
+            raise ValueError("empty text: give at least one non-blank string")
+        if is_bidirectional(model):
+            tokens = _encoder_tokens(model, texts)
+        else:
+            tokens = model.to_tokens(texts if len(texts) > 1 else texts[0], truncate=False)
+    if tokens.dtype == torch.bool or tokens.dtype.is_floating_point or tokens.dtype.is_complex:
+        raise TypeError(f"token ids must be an integer tensor, got dtype {tokens.dtype}")
+    if tokens.ndim == 1:
+        tokens = tokens[None]
+    if tokens.ndim != 2:
+        raise ValueError(f"tokens must be [batch, pos] or [pos], got shape {tuple(tokens.shape)}")
+    if tokens.shape[0] == 0 or tokens.shape[1] == 0:
+        raise ValueError(f"empty input: no tokens (shape {tuple(tokens.shape)})")
+    d_vocab = int(cfg.d_vocab)
+    lo, hi = int(tokens.min()), int(tokens.max())
+    if lo < 0 or hi >= d_vocab:
+        raise ValueError(_id_error(lo if lo < 0 else hi, d_vocab))
+    n_ctx = int(cfg.n_ctx)
+    if tokens.shape[1] > n_ctx:
+        raise ValueError(f"sequence of {tokens.shape[1]} tokens is longer than the model's n_ctx={n_ctx}")
+    if tokens.shape[1] < min_pos:
+        raise ValueError(
+            f"{what} needs at least {min_pos} positions per text, got {tokens.shape[1]} "
+            f"(shape {tuple(tokens.shape)})"
+        )
+    return tokens.long().to(cfg.device)
+
+
+def _id_error(token_id: int, d_vocab: int) -> str:
+    if token_id < 0:
+        return f"token id {token_id} is negative: ids must lie in 0..{d_vocab - 1}"
+    return f"token id {token_id} is out of range: the model's vocabulary has {d_vocab} ids (0..{d_vocab - 1})"
+
+
+def token_strings(model: Any, tokens: Tokens | None) -> list[list[str]] | None:
+    """Each row of ``tokens`` as strings (``model.to_str_tokens``, or the tokenizer's own tokens where the
+    model has no ``to_str_tokens``, as TransformerLens 3's ``HookedEncoder``); ``None`` without a tokenizer.
+
+    >>> from types import SimpleNamespace
+    >>> tok = SimpleNamespace(convert_ids_to_tokens=lambda ids: [f"<{i}>" for i in ids])
+    >>> token_strings(SimpleNamespace(tokenizer=tok), torch.tensor([[1, 2]]))
+    [['<1>', '<2>']]
+    """
+    tok = getattr(model, "tokenizer", None)
+    if tokens is None or tok is None:
+        return None
+    to_str = getattr(model, "to_str_tokens", None)
+    if callable(to_str):
+        return [[str(t) for t in to_str(row)] for row in tokens]
+    return [[str(t) for t in tok.convert_ids_to_tokens(row.tolist())] for row in tokens]
