@@ -81,36 +81,63 @@ def check_mode(mode: str) -> str:
     return mode
 
 
-def n_removed(rate: float, n_queries: int) -> Int[Tensor, " query_pos"]:
+def _source_counts(n_queries: int, n_sources: Tensor | None) -> Int[Tensor, "*batch query_pos"]:
+    """The number of sources of each query: a decoder's ``i+1``, or the given per-(text, query) counts."""
+    if n_sources is None:
+        return torch.arange(1, n_queries + 1)
+    dtype = getattr(n_sources, "dtype", type(n_sources))
+    if not isinstance(n_sources, Tensor) or n_sources.dtype.is_floating_point or dtype == torch.bool:
+        raise TypeError(f"n_sources must be an integer tensor, got {dtype}")
+    if n_sources.ndim not in (1, 2) or n_sources.shape[-1] != n_queries:
+        shape = tuple(n_sources.shape)
+        raise ValueError(
+            f"n_sources must be [query_pos] or [batch, query_pos] ({n_queries} queries), got {shape}"
+        )
+    if n_sources.numel() and int(n_sources.min()) < 0:
+        raise ValueError(f"n_sources must be >= 0, got {int(n_sources.min())}")
+    return n_sources.long()
+
+
+def n_removed(
+    rate: float, n_queries: int, n_sources: Int[Tensor, "*batch query_pos"] | None = None
+) -> Int[Tensor, "*batch query_pos"]:
     """Number of sources removed at each query: SPEC "at removal rate ``r``, remove ``ceil(r * (i+1))``
     sources per query".
 
-    ``r * (i+1)`` is rounded to 9 decimals before the ceiling, so ``0.3 * 10`` counts 3.
+    ``r * (i+1)`` is rounded to 9 decimals before the ceiling, so ``0.3 * 10`` counts 3. ``n_sources``
+    (``[query_pos]`` or ``[batch, query_pos]``, e.g. an encoder's number of real keys, 0 at a padded query)
+    replaces the decoder's ``i+1``: ``ceil(r * n_sources)``.
 
     >>> n_removed(0.5, 4).tolist()
     [1, 1, 2, 2]
     >>> n_removed(0.3, 10)[-1].item()
     3
+    >>> n_removed(0.5, 3, torch.tensor([[3, 3, 0]])).tolist()
+    [[2, 2, 0]]
     """
     r = check_rate(rate)
-    count = np.arange(1, n_queries + 1, dtype=np.float64)
-    return torch.from_numpy(np.ceil(np.round(r * count, 9)).astype(np.int64))
+    size = _source_counts(n_queries, n_sources)
+    count = size.cpu().numpy().astype(np.float64)
+    return torch.from_numpy(np.ceil(np.round(r * count, 9)).astype(np.int64)).to(size.device)
 
 
 def removal_interval(
-    rate: float, mode: str, n_queries: int
-) -> tuple[Int[Tensor, " query_pos"], Int[Tensor, " query_pos"]]:
-    """The ranks ``[lo_i, hi_i)`` removed at each query ``i`` (rank 0 = top; query ``i`` ranks ``i+1`` sources).
+    rate: float, mode: str, n_queries: int, n_sources: Int[Tensor, "*batch query_pos"] | None = None
+) -> tuple[Int[Tensor, "*batch query_pos"], Int[Tensor, "*batch query_pos"]]:
+    """The ranks ``[lo_i, hi_i)`` removed at each query ``i`` (rank 0 = top; query ``i`` ranks ``i+1`` sources,
+    or ``n_sources[..., i]`` when given, see :func:`n_removed`).
 
     - comprehensiveness (remove the top-ranked): ``[0, n_i)``
-    - sufficiency (remove the bottom-ranked): ``[i+1-n_i, i+1)``
+    - sufficiency (remove the bottom-ranked): ``[i+1-n_i, i+1)`` (``[s_i - n_i, s_i)`` for ``s = n_sources``)
 
     >>> [t.tolist() for t in removal_interval(0.5, "sufficiency", 4)]
     [[0, 1, 1, 2], [1, 2, 3, 4]]
+    >>> [t.tolist() for t in removal_interval(0.5, "sufficiency", 3, torch.tensor([[3, 3, 0]]))]
+    [[[1, 1, 0]], [[3, 3, 0]]]
     """
     check_mode(mode)
-    n = n_removed(rate, n_queries)
-    size = torch.arange(1, n_queries + 1)
+    n = n_removed(rate, n_queries, n_sources)
+    size = _source_counts(n_queries, n_sources).to(n.device)
     if mode == "comprehensiveness":
         return torch.zeros_like(n), n
     return size - n, size
@@ -118,6 +145,9 @@ def removal_interval(
 
 def rank_sources(
     scores: Float[Tensor, "*batch query_pos key_pos"],
+    *,
+    causal: bool = True,
+    key_mask: Bool[Tensor, "*batch key_pos"] | None = None,
 ) -> Int[Tensor, "*batch query_pos key_pos"]:
     """The rank of each source within its query's ranking (0 = largest score), in a small integer dtype.
 
@@ -125,9 +155,21 @@ def rank_sources(
     **stable** sort on the signed score: ties go to the lower position first; NaN ranks below every finite
     value (NaN rows are ordered by position).
 
+    ``causal=False`` (an encoder): every key competes for every query, except the padded keys where
+    ``key_mask`` (``[key_pos]`` or ``[batch, key_pos]``, True = real token) is False: they rank after every
+    real key (NaN included), by position, and are never removed when the removal counts are the numbers of
+    real keys (``n_sources`` of :func:`removal_mask`).
+
     >>> rank_sources(torch.tensor([[1.0, 0.0, 0.0], [0.2, 0.5, 0.0], [0.3, 0.3, 0.4]])).tolist()
     [[0, 1, 2], [1, 0, 2], [1, 2, 0]]
+    >>> rank_sources(torch.tensor([[0.0, 0.5, 9.0], [0.2, float("nan"), 0.1]]), causal=False,
+    ...              key_mask=torch.tensor([True, True, False])).tolist()
+    [[1, 0, 2], [0, 1, 2]]
     """
+    if not causal:
+        return _rank_all_keys(scores, key_mask)
+    if key_mask is not None:
+        raise ValueError("key_mask marks an encoder's padding: give it with causal=False")
     q, k = scores.shape[-2:]
     if q > k:
         raise ValueError(f"scores have more queries ({q}) than keys ({k})")
@@ -136,17 +178,49 @@ def rank_sources(
     return stable_ranks(s, descending=True, dtype=rank_dtype(k))
 
 
+def _rank_all_keys(scores: Tensor, key_mask: Tensor | None) -> Tensor:
+    """:func:`rank_sources` of an encoder: every key competes; padded keys (``~key_mask``) rank last."""
+    k = scores.shape[-1]
+    s = torch.where(torch.isnan(scores), torch.full_like(scores, -math.inf), scores)
+    if key_mask is None:
+        return stable_ranks(s, descending=True, dtype=rank_dtype(k))
+    if key_mask.dtype != torch.bool or key_mask.ndim not in (1, 2) or key_mask.shape[-1] != k:
+        raise ValueError(
+            f"key_mask must be a boolean [key_pos] or [batch, key_pos] tensor with {k} keys, "
+            f"got {key_mask.dtype} of shape {tuple(key_mask.shape)}"
+        )
+    if key_mask.ndim == 2:
+        if scores.ndim < 3 or key_mask.shape[0] != scores.shape[0]:
+            raise ValueError(f"key_mask {tuple(key_mask.shape)} does not fit scores {tuple(scores.shape)}")
+        key_mask = key_mask.view(key_mask.shape[0], *[1] * (scores.ndim - 2), k)
+    pad = (~key_mask.to(scores.device)).long() * k  # padded keys: after every real key, in rank order
+    rank = stable_ranks(s, descending=True, dtype=torch.long) + pad
+    return stable_ranks(rank, descending=False, dtype=rank_dtype(k))
+
+
+def _bounds(rate: float, mode: str, ranks: Tensor, n_sources: Tensor | None) -> tuple[Tensor, Tensor]:
+    """``lo, hi`` of :func:`removal_interval`, shaped to broadcast against ``ranks`` ``[batch, rank_head, q, k]``:
+    ``[q, 1]``, or ``[batch, 1, q, 1]`` for per-text ``n_sources`` ``[batch, q]``."""
+    lo, hi = removal_interval(rate, mode, ranks.shape[-2], n_sources)
+    lo, hi = lo.to(ranks.device)[..., None], hi.to(ranks.device)[..., None]
+    if lo.ndim == 3:
+        if lo.shape[0] != ranks.shape[0]:
+            raise ValueError(f"n_sources has {lo.shape[0]} texts, the ranks {ranks.shape[0]}")
+        lo, hi = lo[:, None], hi[:, None]
+    return lo, hi
+
+
 def removal_mask(
-    ranks: SourceRanks, rate: float, mode: str
+    ranks: SourceRanks, rate: float, mode: str, n_sources: Int[Tensor, "*batch query_pos"] | None = None
 ) -> Bool[Tensor, "batch rank_head query_pos key_pos"]:
-    """``True`` where a source is removed: ranks in :func:`removal_interval` of its query (never ``j > i``).
+    """``True`` where a source is removed: ranks in :func:`removal_interval` of its query (never ``j > i``;
+    with ``n_sources``, e.g. an encoder's real keys per ``[batch, query]``, never a rank ``>= n_sources``).
 
     >>> r = rank_sources(torch.tensor([[[[1.0, 0.0], [0.2, 0.5]]]]))
     >>> removal_mask(r, 0.5, "comprehensiveness")[0, 0].tolist()
     [[True, False], [False, True]]
     """
-    lo, hi = removal_interval(rate, mode, ranks.shape[-2])
-    return _interval_mask(ranks, lo.to(ranks.device)[:, None], hi.to(ranks.device)[:, None])
+    return _interval_mask(ranks, *_bounds(rate, mode, ranks, n_sources))
 
 
 def _interval_mask(ranks: Tensor, lo: Tensor, hi: Tensor) -> Tensor:
@@ -184,10 +258,12 @@ def ranked_mask_hook(
     hook: HookPoint,
     *,
     ranks: SourceRanks,
-    lo: Int[Tensor, "query_pos 1"],
-    hi: Int[Tensor, "query_pos 1"],
+    lo: Int[Tensor, "*batch query_pos 1"],
+    hi: Int[Tensor, "*batch query_pos 1"],
 ) -> Pattern:
     """``hook_pattern`` hook: remove the sources whose clean rank lies in ``[lo_i, hi_i)``, no renormalisation.
+
+    ``lo``/``hi`` are ``[q, 1]`` (shared) or ``[batch, 1, q, 1]`` (per text, an encoder's counts).
 
     The mask is built on the fly from the stored ranks (``[batch, head_index or 1, q, k]``); the ranks
     come from the clean pass and are not recomputed here.
@@ -205,6 +281,7 @@ def masking_hooks(
     rate: float | None = None,
     mode: str = "comprehensiveness",
     layers: int | Sequence[int] | None = None,
+    n_sources: Int[Tensor, "*batch query_pos"] | None = None,
 ) -> list[FwdHook]:
     """``(hook_name, fn)`` pairs on ``blocks.{l}.attn.hook_pattern`` that remove (query, source) pairs.
 
@@ -217,14 +294,18 @@ def masking_hooks(
       ``"sufficiency"`` the bottom ones) at ``layers`` (default: every ranked layer). The clean ranking is
       applied as is; the masked pass does not re-rank.
 
+    With a ranking, ``n_sources`` (``[batch, q]``) replaces the decoder's ``i+1`` sources of query ``i``:
+    an encoder ranks every real key (:func:`rank_sources` with ``causal=False``), so its counts are the
+    numbers of real keys (0 at a padded query).
+
     Removal sets ``alpha[h,i,j] = 0`` without renormalising. The pairs compose with any other hooks.
     """
     if (mask is None) == (ranking is None):
         raise ValueError("give exactly one of mask= (explicit boolean mask) or ranking= (with rate and mode)")
     hooks: list[FwdHook] = []
     if mask is not None:
-        if rate is not None:
-            raise ValueError("rate applies to a ranking, not to an explicit mask")
+        if rate is not None or n_sources is not None:
+            raise ValueError("rate and n_sources apply to a ranking, not to an explicit mask")
         masks = mask if isinstance(mask, dict) else dict.fromkeys(resolve_layers(model, layers), mask)
         if isinstance(mask, dict):
             resolve_layers(model, list(mask))
@@ -251,10 +332,8 @@ def masking_hooks(
         raise ValueError(f"layer(s) {missing} were not ranked; the ranking covers layers {ranking.layers}")
     for layer in chosen:
         ranks = ranking.ranks[layer]
-        lo, hi = removal_interval(rate, mode, ranks.shape[-2])
-        fn = partial(
-            ranked_mask_hook, ranks=ranks, lo=lo.to(ranks.device)[:, None], hi=hi.to(ranks.device)[:, None]
-        )
+        lo, hi = _bounds(rate, mode, ranks, n_sources)
+        fn = partial(ranked_mask_hook, ranks=ranks, lo=lo, hi=hi)
         hooks.append((hook_name(layer, "pattern"), fn))
     return hooks
 

