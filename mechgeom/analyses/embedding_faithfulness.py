@@ -39,7 +39,6 @@ Paper A's claim (contribution most faithful) is judged by the area under each ef
 
 from __future__ import annotations
 
-import itertools
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -51,7 +50,7 @@ import pandas as pd
 import torch
 
 from mechgeom._progress import progress
-from mechgeom.analyses.contribution import RANKING_METRICS, ContributionCollector
+from mechgeom.analyses.contribution import RANKING_METRICS
 from mechgeom.analyses.evaluation import bootstrap_ci
 from mechgeom.analyses.rankings import (
     FAITHFULNESS_METRICS,
@@ -63,6 +62,8 @@ from mechgeom.analyses.rankings import (
     _random_scores,
     _unit_hash,
     area_ordering,
+    claimed_order_verdict,
+    ranking_readers,
 )
 from mechgeom.hooks import (
     MODES,
@@ -226,20 +227,13 @@ def embedding_summary(frame: pd.DataFrame, claimed: Sequence[str] = RANKING_METR
             continue
         higher = mode == "comprehensiveness"
         area = orders[mode]["area"]
-        vals = [area.get(m, np.nan) for m in claimed]
-        better = [(b - a) if higher else (a - b) for a, b in itertools.pairwise(vals)]  # > 0: claimed order
-        if all(d > 0 for d in better):
-            verdict = "holds"
-        elif all(d >= 0 for d in better):
-            verdict = "holds up to ties"
-        else:
-            verdict = "does not hold"
+        verdict, ties = claimed_order_verdict(claimed, [area.get(m, np.nan) for m in claimed], higher)
         modes[mode] = {
             "higher_is_more_faithful": higher,
             "area": area,
             "ranking": [[m, area[m]] for m in reversed(orders[mode]["least_to_most_faithful"])],
             "verdict": verdict,
-            "ties": [[x, y] for (x, y), d in zip(itertools.pairwise(claimed), better, strict=True) if d == 0],
+            "ties": ties,
             "random_rank": orders[mode]["random_rank"],
         }
     rates = [float(r) for r in sorted(frame["rate"].unique())]
@@ -412,25 +406,10 @@ def _clean_batch(
     extra_hooks: Sequence[FwdHook],
 ) -> _Batch:
     """One clean pass: the clean embedding and every metric's ranks at ``layers`` (``extra_hooks`` first)."""
-    geo = [m for m in metrics if m != "random"]
-    ranks: dict[str, dict[int, Tensor]] = {m: {} for m in metrics}
-
-    def on_layer(layer: int, out: dict[str, dict[str, Tensor]]) -> None:
-        for m, scores in out[scope].items():
-            # intra: [batch, head, q, k]; inter: [batch, q, k] -> one ranking for all heads
-            s = scores if scope == "intra" else scores[:, None]
-            ranks[m][layer] = rank_sources(s, causal=False, key_mask=mask.to(s.device))
-
-    hooks: list[FwdHook] = list(extra_hooks)
-    if geo:
-        col = ContributionCollector(
-            model,
-            layers,
-            intra=geo if scope == "intra" else [],
-            inter=geo if scope == "inter" else [],
-            on_layer=on_layer,
-        )
-        hooks += col.fwd_hooks
+    ranks, readers = ranking_readers(
+        model, layers, metrics, scope, lambda s: rank_sources(s, causal=False, key_mask=mask.to(s.device))
+    )
+    hooks: list[FwdHook] = [*extra_hooks, *readers]
     with torch.no_grad():
         clean = embedding_fn(model, tokens, mask.long(), fwd_hooks=hooks)
     if "random" in metrics:

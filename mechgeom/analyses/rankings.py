@@ -39,7 +39,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -239,6 +239,32 @@ def _random_scores(
     return out
 
 
+def ranking_readers(
+    model: Any,
+    layers: list[int],
+    metrics: Sequence[str],
+    scope: str,
+    rank: Callable[[Tensor], Tensor],
+) -> tuple[dict[str, dict[int, Tensor]], list[FwdHook]]:
+    """The readers of a clean pass that rank every query's sources by each geometric metric of ``metrics``
+    (``"random"`` is left to the caller): ``({metric: {layer: ranks}}, hooks)``, filled as the pass runs.
+
+    ``rank`` turns ``[batch, head or 1, q, k]`` scores into ranks (``scope="intra"``: one ranking per head;
+    ``"inter"``: the layer's, shared by all heads)."""
+    ranks: dict[str, dict[int, Tensor]] = {m: {} for m in metrics}
+    geo = [m for m in metrics if m != "random"]
+    if not geo:
+        return ranks, []
+
+    def on_layer(layer: int, out: dict[str, dict[str, Tensor]]) -> None:
+        for m, scores in out[scope].items():  # intra: [batch, head, q, k]; inter: [batch, q, k]
+            ranks[m][layer] = rank(scores if scope == "intra" else scores[:, None])
+
+    intra, inter = (geo, []) if scope == "intra" else ([], geo)
+    col = ContributionCollector(model, layers, intra=intra, inter=inter, on_layer=on_layer)
+    return ranks, col.fwd_hooks
+
+
 def _clean_pass(
     model: Any,
     tokens: Tokens,
@@ -255,26 +281,12 @@ def _clean_pass(
     """One clean forward: every ranking of ``metrics`` at ``layers`` and the clean target log-likelihood.
 
     ``extra_hooks`` are attached first (before the metric readers on the same hook point)."""
-    geo_metrics = [m for m in metrics if m != "random"]
     # the random control is seeded by each text's content (its unpadded tokens), not by its batch slot
     unit_hashes = [_unit_hash(tokens[b, : lengths[b]]) for b in range(tokens.shape[0])]
-    ranks: dict[str, dict[int, Tensor]] = {m: {} for m in metrics}
-
-    def on_layer(layer: int, out: dict[str, dict[str, Tensor]]) -> None:
-        for m, scores in out[scope].items():
-            # intra: [batch, head, q, k]; inter: [batch, q, k] -> one ranking for all heads
-            ranks[m][layer] = rank_sources(scores if scope == "intra" else scores[:, None]).to(store_device)
-
-    hooks: list[FwdHook] = list(extra_hooks)
-    if geo_metrics:
-        col = ContributionCollector(
-            model,
-            layers,
-            intra=geo_metrics if scope == "intra" else [],
-            inter=geo_metrics if scope == "inter" else [],
-            on_layer=on_layer,
-        )
-        hooks += col.fwd_hooks
+    ranks, readers = ranking_readers(
+        model, layers, metrics, scope, lambda scores: rank_sources(scores).to(store_device)
+    )
+    hooks: list[FwdHook] = [*extra_hooks, *readers]
     logprob = target_logprob(model, tokens, targets, hooks)
     if "random" in metrics:
         n_heads = int(model.cfg.n_heads) if scope == "intra" else 1
@@ -414,15 +426,9 @@ def faithfulness_summary(frame: pd.DataFrame, claimed: Sequence[str] = RANKING_M
             continue
         by_metric = area[mode]
         ranked = by_metric.sort_values(ascending=not higher)
-        vals = [float(by_metric.get(m, np.nan)) for m in claimed]
-        better = [(b - a) if higher else (a - b) for a, b in itertools.pairwise(vals)]  # > 0: claimed order
-        ties = [[x, y] for (x, y), d in zip(itertools.pairwise(claimed), better, strict=True) if d == 0]
-        if all(d > 0 for d in better):
-            verdict = "holds"
-        elif all(d >= 0 for d in better):
-            verdict = "holds up to ties"
-        else:
-            verdict = "does not hold"
+        verdict, ties = claimed_order_verdict(
+            claimed, [float(by_metric.get(m, np.nan)) for m in claimed], higher
+        )
         modes[mode] = {
             "higher_is_more_faithful": higher,
             "ranking": [[str(m), float(v)] for m, v in ranked.items()],
@@ -432,6 +438,25 @@ def faithfulness_summary(frame: pd.DataFrame, claimed: Sequence[str] = RANKING_M
     clean = float(frame["clean_ppl"].iloc[0]) if "clean_ppl" in frame.columns and len(frame) else None
     rates = [float(r) for r in sorted(frame["rate"].unique())]
     return {"claimed": claimed, "clean_ppl": clean, "rates": rates, "modes": modes}
+
+
+def claimed_order_verdict(
+    claimed: Sequence[str], values: Sequence[float], higher: bool
+) -> tuple[str, list[list[str]]]:
+    """Whether ``values`` (one per metric of ``claimed``, least to most faithful) come in the claimed order:
+    ``"holds"`` (each step more faithful: larger if ``higher``, else smaller), ``"holds up to ties"`` (some
+    steps equal, e.g. identical rankings) or ``"does not hold"`` (a NaN never holds); and the tied pairs.
+
+    >>> claimed_order_verdict(["a", "b", "c"], [1.0, 2.0, 2.0], higher=True)
+    ('holds up to ties', [['b', 'c']])
+    """
+    better = [(b - a) if higher else (a - b) for a, b in itertools.pairwise(values)]  # > 0: claimed order
+    ties = [[x, y] for (x, y), d in zip(itertools.pairwise(claimed), better, strict=True) if d == 0]
+    if all(d > 0 for d in better):
+        return "holds", ties
+    if all(d >= 0 for d in better):
+        return "holds up to ties", ties
+    return "does not hold", ties
 
 
 def area_ordering(
