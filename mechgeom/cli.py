@@ -188,9 +188,11 @@ def _cmd_report(args: argparse.Namespace) -> int:
     )
     print(result.html_path)
     failed = [s.name for s in result.stages if s.status == "failed"]
-    skipped = [s.name for s in result.stages if s.status == "skipped"]
+    skipped = [
+        f"{s.name} ({s.reason})" if s.reason else s.name for s in result.stages if s.status == "skipped"
+    ]
     if skipped:
-        logger.warning("not available, skipped: %s", ", ".join(skipped))
+        logger.warning("skipped: %s", "; ".join(skipped))
     if failed:
         logger.error("failed stage(s): %s; rerun the same command to retry them", ", ".join(failed))
         return 1

@@ -59,6 +59,7 @@ __all__ = [
     "gguf_path",
     "is_bridge",
     "is_encoder",
+    "is_encoder_name",
     "list_models",
     "load_hf_model",
     "load_model",
@@ -473,6 +474,15 @@ def load_model(
     _apply_bos_rule(model, spec)
     model.eval()
     return model.to(device, print_details=False)
+
+
+def is_encoder_name(name: str) -> bool:
+    """Whether the offline model ``name`` is an encoder (``"minilm-l6"``), without loading it.
+
+    >>> is_encoder_name("minilm-l6"), is_encoder_name("smollm2-135m")
+    (True, False)
+    """
+    return name == _ENCODER
 
 
 def is_bridge(model: Any) -> bool:

@@ -37,6 +37,7 @@ from mechgeom.report.base import (
     StageRecord,
     logger,
 )
+from mechgeom.report.encoder_stages import DECODER_ONLY, ENCODER_STAGES
 from mechgeom.report.html import figure_png, page_html, render_fragment
 from mechgeom.report.stages import STAGES
 from mechgeom.sweep import Item, LocalExecutor, RowStore, run_sweep
@@ -159,6 +160,13 @@ def _write_page(
     return path
 
 
+def _not_for(name: str, encoder: bool) -> str:
+    """Why the stage ``name`` does not run on this kind of model."""
+    if encoder:
+        return f"encoder model: {DECODER_ONLY.get(name, 'a decoder stage')}"
+    return "decoder model: this stage is for encoders (bidirectional attention, a sentence embedding)"
+
+
 def _model_label(model: Any) -> str:
     if isinstance(model, str):
         return model
@@ -192,7 +200,9 @@ def build_report(
         device: where the model runs (not part of the resume key).
         verbose: inner progress bars (stage lines are always logged at INFO).
         tokens: ``[n_texts, seq_len]`` windows to use instead of the corpus (their hash joins the key).
-        stages: names of the stages to run (default: all of :data:`STAGES`).
+        stages: names of the stages to run (default: all of :data:`STAGES`, or for an encoder model all of
+            :data:`~mechgeom.report.encoder_stages.ENCODER_STAGES`, the decoder-only stages being listed as
+            skipped with the reason).
 
     Raises:
         NotADirectoryError: ``out_dir`` is an existing file.
@@ -214,11 +224,25 @@ def build_report(
     seq_len = preset["seq_len"] if seq_len is None else int(seq_len)
     if n_texts <= 0 or seq_len < 2:
         raise ValueError(f"need n_texts >= 1 and seq_len >= 2, got {n_texts} and {seq_len}")
-    selected = list(STAGES) if stages is None else [s for s in STAGES if s.name in set(stages)]
+    from mechgeom.models import is_encoder, is_encoder_name
+
+    encoder = is_encoder_name(model) if isinstance(model, str) else is_encoder(model)
+    catalogue = ENCODER_STAGES if encoder else STAGES
+    known = list(dict.fromkeys(s.name for s in (*STAGES, *ENCODER_STAGES)))
     if stages is not None:
-        unknown = sorted(set(stages) - {s.name for s in STAGES})
+        unknown = sorted(set(stages) - set(known))
         if unknown:
-            raise ValueError(f"unknown stage(s) {unknown}; choose from {[s.name for s in STAGES]}")
+            raise ValueError(f"unknown stage(s) {unknown}; choose from {known}")
+    selected = [s for s in catalogue if stages is None or s.name in set(stages)]
+    # the other kind of model's stages, skipped with the reason: on an encoder every decoder-only stage (or
+    # those named), on a decoder the encoder-only stages named
+    others = [s for s in (STAGES if encoder else ENCODER_STAGES) if s.name not in {c.name for c in catalogue}]
+    wanted = {s.name for s in others} if stages is None and encoder else set(stages or ())
+    skipped = [
+        StageRecord(s.name, s.title, "skipped", reason=_not_for(s.name, encoder))
+        for s in others
+        if s.name in wanted
+    ]
     settings = ReportSettings(_model_label(model), corpus, n_texts, seq_len, seed, quick)
     key = _json_roundtrip(settings.as_dict())
     store = stage_store(out)  # refuses a store of another layout before anything is computed
@@ -279,6 +303,9 @@ def build_report(
                 (out / "partial").rmdir()
         records.append(rec)
         _write_page(out, settings, records, selected[k:])
+    for rec in skipped:
+        logger.info("%s: skipped (%s)", rec.name, rec.reason)
+    records += skipped
     path = _write_page(out, settings, records, [])
     logger.info("report written to %s (%.1f s)", path, time.perf_counter() - t_all)
     return ReportResult(out, path, settings, records)

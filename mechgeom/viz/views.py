@@ -124,11 +124,13 @@ def _nan_note(n_nan: int) -> str:
     return f" {n_nan} NaN weights (zero output norm) drawn as 0." if n_nan else ""
 
 
-def _scale_note(scale: float) -> str:
-    return (
-        f"Diverging scale: blue > 0, red < 0, white = 0, saturating at ±{scale:g}; "
+def _scale_note(scale: float, causal: bool = True) -> str:
+    grey = (
         "grey cells are future tokens (key > query)."
+        if causal
+        else "every query sees every key (an encoder)."
     )
+    return f"Diverging scale: blue > 0, red < 0, white = 0, saturating at ±{scale:g}; " + grey
 
 
 # --------------------------------------------------------------------------- views
@@ -176,7 +178,11 @@ def head_view(
         n_nan += n
     names = [f"{_LABELS.get(m, m)} L{layer}H{head}" for m in metrics]
     view = _attention_heads(panels, names, _tokens(result, batch), scale, result.causal)
-    caption = f"Layer {layer}, head {head}: {', '.join(names)}. " + _scale_note(scale) + _nan_note(n_nan)
+    caption = (
+        f"Layer {layer}, head {head}: {', '.join(names)}. "
+        + _scale_note(scale, result.causal)
+        + _nan_note(n_nan)
+    )
     return View(f"{result.model_name or 'model'} L{layer}H{head}", [(caption, view)])
 
 
@@ -206,7 +212,11 @@ def layer_view(
             names.append(f"{_LABELS.get(m, m)} layer")
             n_nan += n
     view = _attention_heads(panels, names, _tokens(result, batch), scale, result.causal)
-    caption = f"Layer {layer}, {n_heads} heads and the whole layer. " + _scale_note(scale) + _nan_note(n_nan)
+    caption = (
+        f"Layer {layer}, {n_heads} heads and the whole layer. "
+        + _scale_note(scale, result.causal)
+        + _nan_note(n_nan)
+    )
     return View(f"{result.model_name or 'model'} layer {layer}", [(caption, view)])
 
 

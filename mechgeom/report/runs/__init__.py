@@ -17,7 +17,7 @@ import torch
 
 __all__ = ["RUNS", "common_arguments", "run_module", "run_with_threads"]
 
-RUNS = ("faithfulness", "sinks", "selection", "pruning")
+RUNS = ("faithfulness", "sinks", "selection", "pruning", "encoder")
 
 
 def run_module(name: str) -> ModuleType:
