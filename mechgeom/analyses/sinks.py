@@ -136,7 +136,7 @@ def sink_statistics_from_cache(
     ``layers`` (the texts of ``tokens``, kept in the result when given)."""
     col = SinkCollector(model, layers, sink_positions=sink_positions)
     col.feed_cache(cache)
-    return col.result(None if tokens is None else to_tokens(model, tokens))
+    return col.result(None if tokens is None else to_tokens(model, tokens, encoders=True))
 
 
 # =========================================================================== summaries and head choices

@@ -173,3 +173,16 @@ def test_corpus_windows_of_an_encoder_are_cls_text_sep() -> None:
     assert all(tuple(w[1:-1].tolist()) in docs for w in windows)
     with pytest.raises(ValueError, match="no room for text"):
         load_corpus("wikitext2", enc, n_texts=1, seq_len=2)
+
+
+def test_from_cache_on_an_encoder_equals_the_run() -> None:
+    from mechgeom.analyses.sinks import sink_statistics_from_cache
+
+    model = _encoder(93)
+    tokens = _texts([6, 6], seed=94)
+    _, cache = model.run_with_cache(tokens)
+    cached = sink_statistics_from_cache(model, cache, tokens=tokens, sink_positions=[0, 5])
+    run = sink_statistics(model, tokens, sink_positions=["[CLS]", "[SEP]"])
+    for name in ("sink_rate", "norm_ratio_vt", "cos_sink_tokens", "sq_sink"):
+        torch.testing.assert_close(getattr(cached, name), getattr(run, name), msg=name)
+    assert torch.equal(cached.tokens, tokens)
