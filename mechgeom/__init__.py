@@ -13,6 +13,8 @@ from mechgeom.analyses.contribution import (
     contribution_weights_from_cache,
 )
 from mechgeom.analyses.contribution_overview import contribution_overview
+from mechgeom.analyses.embedding_faithfulness import embedding_curves
+from mechgeom.analyses.encoder_sinks import encoder_sink_statistics
 from mechgeom.analyses.evaluation import encode_choices, perplexity, score_choices, text_nll, token_nll
 from mechgeom.analyses.faithfulness import (
     faithfulness_summary,
@@ -39,6 +41,7 @@ from mechgeom.analyses.sinks import (
     sink_statistics_from_cache,
 )
 from mechgeom.analyses.taxonomy import TaxonomyCollector, classify_heads, classify_heads_from_cache
+from mechgeom.encoder_models import sentence_embedding
 from mechgeom.hooks import (
     LayerCollector,
     ablate_value_hook,
@@ -76,7 +79,9 @@ __all__ = [
     "contribution_weights_from_cache",
     "convexity_by_intervention",
     "convexity_check",
+    "embedding_curves",
     "encode_choices",
+    "encoder_sink_statistics",
     "faithfulness_summary",
     "head_ablation_hooks",
     "head_orders",
@@ -93,6 +98,7 @@ __all__ = [
     "replace_z_hook",
     "retention_curves",
     "score_choices",
+    "sentence_embedding",
     "set_sink_mass_hook",
     "single_head_sweep",
     "sink_ablation",

@@ -177,6 +177,9 @@ def test_the_top_level_exports_every_hook_factory_and_entry_point() -> None:
         "single_head_sweep",
         "retention_curves",
         "collect",
+        "embedding_curves",
+        "encoder_sink_statistics",
+        "sentence_embedding",
     }
     missing = sorted((factories | entry_points) - set(mechgeom.__all__))
     assert not missing, missing
