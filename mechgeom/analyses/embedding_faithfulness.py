@@ -54,10 +54,7 @@ from mechgeom.analyses.contribution import RANKING_METRICS
 from mechgeom.analyses.evaluation import bootstrap_ci
 from mechgeom.analyses.rankings import (
     FAITHFULNESS_METRICS,
-    _check_metrics,
-    _check_modes,
-    _check_rates,
-    _check_scope,
+    _check_settings,
     _layers_label,
     _random_scores,
     _unit_hash,
@@ -76,7 +73,6 @@ from mechgeom.hooks import (
     padding_mask,
     rank_sources,
     removal_mask,
-    resolve_layers,
     run_hooks,
     to_tokens,
 )
@@ -462,13 +458,9 @@ def embedding_curves(
     ``RuntimeError``. No hook stays attached.
     """
     _check_encoder(model)
-    scope = _check_scope(scope)
-    metrics_t = _check_metrics(metrics, scope)
-    rates_t = _check_rates(rates)
-    modes_t = _check_modes(modes)
-    chosen = resolve_layers(model, layers)
-    if int(batch_size) < 1:
-        raise ValueError(f"batch_size must be at least 1, got {batch_size}")
+    metrics_t, rates_t, modes_t, chosen, scope = _check_settings(
+        model, metrics, rates, modes, layers, scope, batch_size
+    )
     tokens = to_tokens(model, tokens_or_text, what="embedding faithfulness", encoders=True)
     mask = _check_mask(model, tokens, attention_mask)
     if embedding_fn is None:

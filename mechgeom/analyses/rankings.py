@@ -141,8 +141,21 @@ def _check_common(
     scope: str,
     batch_size: int,
 ) -> tuple[tuple[str, ...], tuple[float, ...], tuple[str, ...], list[int], str]:
-    """The settings of a sweep, checked: metrics, rates and modes deduplicated in order, the layers."""
+    """The settings of a sweep on a decoder, checked (:func:`_check_settings`)."""
     check_decoder(model)
+    return _check_settings(model, metrics, rates, modes, layers, scope, batch_size)
+
+
+def _check_settings(
+    model: Any,
+    metrics: Sequence[str],
+    rates: Sequence[float],
+    modes: Sequence[str],
+    layers: int | Sequence[int] | None,
+    scope: str,
+    batch_size: int,
+) -> tuple[tuple[str, ...], tuple[float, ...], tuple[str, ...], list[int], str]:
+    """The settings of a sweep, checked: metrics, rates and modes deduplicated in order, the layers."""
     scope = _check_scope(scope)
     metrics_t = _check_metrics(metrics, scope)
     rates_t = _check_rates(rates)
