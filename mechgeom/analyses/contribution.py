@@ -433,7 +433,7 @@ class ContributionCollector:
             tokens=None if tokens is None else tokens.detach().cpu(),
             intra=intra,
             inter=inter,
-            str_tokens=None if tokens is None else _str_tokens(self.model, tokens),
+            str_tokens=token_strings(self.model, tokens),
             model_name=str(getattr(self.model.cfg, "model_name", "")),
             modified=torch.stack([self._modified[la][0] for la in self.layers], dim=1),
             modified_share=torch.stack([self._modified[la][1] for la in self.layers], dim=1),
@@ -453,11 +453,6 @@ def _sole_owner(t: Tensor) -> bool:
         return False
     storage = t.untyped_storage()
     return int(use_count(storage._cdata)) <= 2  # this tensor, and the ``storage`` object just made
-
-
-def _str_tokens(model: Any, tokens: Tokens) -> list[list[str]] | None:
-    """Each row of ``tokens`` as strings (:func:`mechgeom.hooks.token_strings`); ``None`` without a tokenizer."""
-    return token_strings(model, tokens)
 
 
 def contribution_weights(

@@ -14,9 +14,9 @@ from typing import Any
 
 import pandas as pd
 
-from mechgeom.analyses.contribution import ContributionCollector, ContributionResult, _str_tokens
+from mechgeom.analyses.contribution import ContributionCollector, ContributionResult
 from mechgeom.analyses.contribution_stats import SUMMARY_METRICS, ScoreTotals, overview_summary, view_layer_of
-from mechgeom.hooks import FwdHook, run_batches, to_tokens
+from mechgeom.hooks import FwdHook, run_batches, to_tokens, token_strings
 from mechgeom.typing import Tensor
 
 __all__ = ["ContributionOverview", "contribution_overview"]
@@ -115,7 +115,7 @@ def contribution_overview(
         tokens=tokens[:1].cpu(),
         intra={k: v[:, None] for k, v in first[view_layer]["intra"].items()},
         inter={k: v[:, None] for k, v in first[view_layer]["inter"].items()},
-        str_tokens=_str_tokens(model, tokens[:1]),
+        str_tokens=token_strings(model, tokens[:1]),
         model_name=str(getattr(model.cfg, "model_name", "")),
     )
     return ContributionOverview(heads, layer_frame, view_layer, view, n_texts=int(tokens.shape[0]))

@@ -154,10 +154,11 @@ class StageContext:
         return self._passes[key]
 
     def str_tokens(self, row: int = 0) -> list[str]:
+        from mechgeom.hooks import token_strings
+
         toks = self.tokens[row]
-        if getattr(self.model, "tokenizer", None) is None:
-            return [f"t{int(t)}" for t in toks]
-        return [str(s) for s in self.model.to_str_tokens(toks)]
+        strings = token_strings(self.model, toks[None])
+        return [f"t{int(t)}" for t in toks] if strings is None else strings[0]
 
 
 @dataclass(frozen=True)

