@@ -422,18 +422,18 @@ def layer_cost(batch: int, seq: int, n_heads: int, d_head: int, block: int = 128
 
     Written: 6 intra-head ``[b, h, q, q]`` outputs (attention is the pattern itself) and 4 inter-head
     ``[b, q, q]``, float32, each entry once. FLOPs (2 per multiply-add): ``o[i] W_Oᵀ`` for every head
-    (``(h d)²`` per token), the symmetric value Gram in ``d_head`` (45 of 81 head pairs for 9 heads), the
-    per-head quadratic forms ``z M[h]`` and ``v M[h]``, the two ``q x k`` products in ``d_head`` per head
-    (cosine and head shares) and the modified-``z`` check (``alpha @ [v, ‖v‖]``) over the causal blocks,
-    and ``2 h²`` per entry for the inter-head value norm.
+    (``(h d)²`` per token), the value Gram in ``d_head`` (one batched matmul over all ``h x h`` head pairs), the
+    per-head quadratic form ``z M[h]``, the two ``q x k`` products in ``d_head`` per head (cosine and head
+    shares) over the causal blocks, and ``2 h²`` per entry for the inter-head value norm. The modified-``z``
+    check does not run here: no other hook is attached (``LayerCollector``).
     """
     H, D, B, Q = n_heads, d_head, batch, seq
     seen = sum(min(block, Q - q0) * min(q0 + block, Q) for q0 in range(0, Q, block))  # (q, k) per block
     written = (6 * H + 4) * B * Q * Q * 4
     flops = 2 * B * Q * (H * D) ** 2  # layer_u
-    flops += 2 * B * Q * (H * (H + 1) // 2) * D * D  # gram
-    flops += 2 * 2 * B * Q * H * D * D  # head_u, vt_norm
-    flops += 2 * 2 * B * H * D * seen + 2 * B * H * (D + 1) * seen  # cos, shares, modified check
+    flops += 2 * B * Q * H * H * D * D  # gram
+    flops += 2 * B * Q * H * D * D  # head_u
+    flops += 2 * 2 * B * H * D * seen  # cos, shares
     flops += 2 * H * H * B * seen  # inter-head value norm
     return {"bytes": float(written), "flops": float(flops)}
 

@@ -304,6 +304,7 @@ class ContributionCollector:
         self._store: tuple[dict[str, Tensor], dict[str, Tensor]] | None = None
         self._after_layer: Callable[[int], Any] | None = None  # progress of contribution_weights
         self._key_mask: Tensor | None = None  # an encoder's padding, from the last pass (LayerActivations)
+        self._workspace: dict[str, Tensor] = {}  # LayerGeometry's temporaries, kept between layers
 
     @property
     def fwd_hooks(self) -> list[FwdHook]:
@@ -364,7 +365,7 @@ class ContributionCollector:
                     self._versions.pop((kind, m), None)
 
     def _on_layer(self, acts: LayerActivations) -> None:
-        geo = LayerGeometry.from_activations(acts)
+        geo = LayerGeometry.from_activations(acts, workspace=self._workspace)
         self._key_mask = None if acts.key_mask is None else acts.key_mask.to(self.store_device)
         out_intra, out_inter = self._out_tensors(acts)
         with torch.no_grad():

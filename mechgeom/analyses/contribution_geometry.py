@@ -18,6 +18,12 @@ token ``j``'s projected values. Norms of head outputs and projected values are q
 square is skipped. The pattern is taken as causal, as a decoder's is (mechgeom's interventions keep it so),
 unless ``causal=False``.
 
+**Two sweeps, one set of numbers.** On CPU in float32/float64, where a C compiler is present, the blocked
+sweep is :mod:`~mechgeom.analyses.contribution_fused`: per block one matmul for both raw products and one
+pass of a small C kernel (built on first use, see :mod:`mechgeom._native`) that writes every metric once.
+Elsewhere (GPU, other dtypes, no compiler, ``MECHGEOM_NATIVE=0``) the plain-torch sweep below runs. The
+tests run both against the brute force.
+
 **Encoder layout** (``causal=False``, a bidirectional model): every query is computed against every key.
 With ``key_mask`` (``[batch, key_pos]``, ``False`` at padding), every metric is exactly 0 wherever the key or
 the query is padding, factors included: padding is neither a source nor a query.
@@ -25,6 +31,7 @@ the query is padding, factors included: padding is neither a source nor a query.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from functools import cached_property
 
@@ -32,6 +39,7 @@ import einops
 import torch
 
 from mechgeom import maths
+from mechgeom.analyses import contribution_fused as fused
 from mechgeom.hooks import LayerActivations, head_outputs
 from mechgeom.typing import WO, Bool, Float, HeadScores, LayerScores, Pattern, Tensor, Values, Z
 
@@ -52,6 +60,8 @@ INTER_METRICS = ("attention", "value_weighted", "value_weighted_normalized", "co
 
 #: Queries per block of the blocked computation (see "Causal layout" in the module docstring).
 BLOCK_SIZE = 128
+#: Tokens per batched matmul of :attr:`LayerGeometry.gram` (its temporary is ``[head, tokens, d_model]``).
+GRAM_CHUNK = 256
 
 
 def _inv_or_nan(den: Tensor) -> Tensor:
@@ -84,6 +94,7 @@ class LayerGeometry:
         modified: Bool[Tensor, "batch head_index query_pos"] | None = None,
         causal: bool = True,
         key_mask: Bool[Tensor, "batch key_pos"] | None = None,
+        workspace: dict[str, Tensor] | None = None,
     ) -> None:
         if pattern.shape[-1] != pattern.shape[-2]:
             raise ValueError(
@@ -100,9 +111,30 @@ class LayerGeometry:
         #: ``[b k]`` real (non-padding) tokens of an encoder's batch; ``None`` = all real.
         self.key_mask = key_mask if key_mask is not None and not bool(key_mask.all()) else None
         self._metrics: dict[str, Tensor] = {}
+        #: Temporaries kept between layers (by whoever passes the dict, e.g. a collector), so that memory the
+        #: allocator would hand back to the system is not faulted in again every layer. Never returned.
+        self.workspace = workspace
+
+    def scratch(self, name: str, shape: Sequence[int]) -> Tensor:
+        """A temporary of ``shape`` (contents undefined): a view of ``workspace[name]`` when there is a workspace
+        (grown when too small), else fresh memory."""
+        numel = math.prod(shape)
+        like = self.pattern
+        if self.workspace is None:
+            return like.new_empty(shape)
+        buf = self.workspace.get(name)
+        if buf is None or buf.numel() < numel or buf.dtype != like.dtype or buf.device != like.device:
+            buf = self.workspace[name] = like.new_empty(numel)
+        return buf[:numel].view(shape)
 
     @classmethod
-    def from_activations(cls, acts: LayerActivations, *, block_size: int = BLOCK_SIZE) -> LayerGeometry:
+    def from_activations(
+        cls,
+        acts: LayerActivations,
+        *,
+        block_size: int = BLOCK_SIZE,
+        workspace: dict[str, Tensor] | None = None,
+    ) -> LayerGeometry:
         return cls(
             acts.pattern,
             acts.v,
@@ -112,6 +144,7 @@ class LayerGeometry:
             modified=acts.modified,
             causal=acts.causal,
             key_mask=acts.key_mask,
+            workspace=workspace,
         )
 
     # ---- outputs and values in d_model (the metrics only need projected_values, for the Gram matrix)
@@ -204,18 +237,21 @@ class LayerGeometry:
     def gram(self) -> Float[Tensor, "batch key_pos head_index head_index2"]:
         """``G_j[h,g] = <vt[j,h], vt[j,g]> = v[j,h] M[h,:,g,:] v[j,g]``, the per-token ``[head, head]`` Gram matrix.
 
-        Computed in ``d_head`` from :attr:`wo_gram_full`, one head ``h`` at a time against heads
-        ``g >= h`` (``G`` is symmetric), so no ``d_model`` vector of a token is ever formed.
+        Computed in ``d_head`` from :attr:`wo_gram_full`: one batched matmul gives ``y[j,h] = v[j,h] M[h,:,g,:]``
+        for every ``g`` (``[head, tokens, head * d_head]``, at most :data:`GRAM_CHUNK` tokens at a time), and its
+        product with ``v[j,g]`` summed over ``d_head`` gives ``G``; no ``d_model`` vector of a token is ever formed.
         """
         B, K, H, D = self.v.shape
         v = self.v.reshape(B * K, H, D)
         m = self.wo_gram_full.reshape(H, D, H * D)  # [h d (g e)]
         out = v.new_empty((B * K, H, H))
-        for h in range(H):
-            y = v[:, h] @ m[h, :, h * D :]  # [BK (g e)], g >= h: v[j,h] M[h,:,g,:]
-            g = (y.view(B * K, H - h, D) * v[:, h:]).sum(-1)  # [BK g]
-            out[:, h, h:] = g
-            out[:, h + 1 :, h] = g[:, 1:]
+        v_h = v.transpose(0, 1).contiguous()  # [h (b k) d]
+        for t0 in range(0, B * K, GRAM_CHUNK):
+            n = min(GRAM_CHUNK, B * K - t0)
+            y = self.scratch("gram_y", (H, n, H, D))
+            torch.bmm(v_h[:, t0 : t0 + n], m, out=y.view(H, n, H * D))  # v[j,h] M[h,:,g,:]
+            y.mul_(v[None, t0 : t0 + n])
+            out[t0 : t0 + n] = y.sum(-1).transpose(0, 1)  # [t h g]
         return out.view(B, K, H, H)
 
     # ---- the metrics of SPEC.md §A, one function each (the formula is in the block kernels below)
@@ -334,13 +370,6 @@ class LayerGeometry:
     def _sweep_blocks(self, want: set[str], buffers: dict[str, Tensor], *, zeroed: bool) -> None:
         alpha = self.pattern
         B, H, Q, _ = alpha.shape
-        need_cos = bool(want & {"factor_cos", "contribution"})
-        need_vwn = bool(want & {"value_weighted_normalized", "contribution"})
-        need_ratio = need_vwn or "factor_norm_ratio" in want
-        need_share = bool(want & {"head_share", "contribution_inter"})
-        need_vwi = bool(want & {"value_weighted_inter", "value_weighted_normalized_inter"})
-        need_oh = need_cos or need_ratio
-
         out = {}
         fresh = set()
         for k in want:
@@ -353,7 +382,30 @@ class LayerGeometry:
             if buf is None:
                 fresh.add(k)
             out[k] = alpha.new_empty(shape) if buf is None else buf
-        to_zero = list(out.values()) if not zeroed else [out[k] for k in fresh]
+        if fused.available(alpha) and all(t.stride(-1) == 1 for t in out.values()):
+            if zeroed:  # the kernel writes keys after a block only where the buffer is not known to be 0
+                for k in fresh:
+                    out[k].zero_()
+            fused.sweep_blocks(self, want, out, zeroed=zeroed)
+        else:
+            self._eager_blocks(want, out, [out[k] for k in fresh] if zeroed else list(out.values()))
+        if self.key_mask is not None:  # an encoder's padding: neither a source nor a query
+            real = self.key_mask[:, :, None] & self.key_mask[:, None, :]  # [b q k]
+            for k, t in out.items():
+                t.masked_fill_(~(real if k.endswith("_inter") else real[:, None]), 0)
+        self._metrics.update(out)
+
+    def _eager_blocks(self, want: set[str], out: dict[str, Tensor], to_zero: list[Tensor]) -> None:
+        """The plain-torch sweep (the fused one, :mod:`~mechgeom.analyses.contribution_fused`, gives the same
+        numbers); ``to_zero``: the outputs whose keys after each block must be written 0."""
+        alpha = self.pattern
+        Q = alpha.shape[-1]
+        need_cos = bool(want & {"factor_cos", "contribution"})
+        need_vwn = bool(want & {"value_weighted_normalized", "contribution"})
+        need_ratio = need_vwn or "factor_norm_ratio" in want
+        need_share = bool(want & {"head_share", "contribution_inter"})
+        need_vwi = bool(want & {"value_weighted_inter", "value_weighted_normalized_inter"})
+        need_oh = need_cos or need_ratio
         if need_vwi:  # first, so that vt_norm is read off its diagonal
             gram = einops.rearrange(self.gram, "b k h g -> h g b k").contiguous()
         vt_norm = (
@@ -438,11 +490,6 @@ class LayerGeometry:
             else:
                 for t in factors:
                     t[..., q0:q1, q0:q1].mul_(lower[:n, :n])
-        if self.key_mask is not None:  # an encoder's padding: neither a source nor a query
-            real = self.key_mask[:, :, None] & self.key_mask[:, None, :]  # [b q k]
-            for k, t in out.items():
-                t.masked_fill_(~(real if k.endswith("_inter") else real[:, None]), 0)
-        self._metrics.update(out)
 
 
 def _inter_key(name: str) -> str:

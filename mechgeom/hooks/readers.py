@@ -188,6 +188,21 @@ class LayerActivations:
         return [int(h) for h in self.modified.any(dim=2).any(dim=0).nonzero().flatten().tolist()]
 
 
+def _sole_hook(hook: HookPoint | None) -> bool:
+    """Whether the reader that ``hook`` just called is the only hook there (no other forward hook or pre-hook
+    on that hook point, no global module hook) and the model is in eval mode: then nothing else can have
+    changed the activation it read, before or after it, and :func:`modified_mask` need not run."""
+    if not isinstance(hook, torch.nn.Module) or hook.training:
+        return False
+    glob = torch.nn.modules.module
+    return (
+        len(hook._forward_hooks) == 1
+        and not hook._forward_pre_hooks
+        and not glob._global_forward_hooks
+        and not glob._global_forward_pre_hooks
+    )
+
+
 def _attended_keys(pattern: Pattern) -> Bool[Tensor, "batch key_pos"] | None:
     """Keys some query attends to in some head, per text: an encoder's padding is the rest (``None``: no padding)."""
     seen = pattern.detach().amax(dim=(1, 2)) > 0  # [b k]
@@ -229,19 +244,24 @@ class LayerCollector:
         #: The pattern is a decoder's (0 above the diagonal), unless the model is an encoder (bidirectional).
         self.causal = not is_bidirectional(model)
         self._pending: dict[int, dict[str, Tensor]] = {}
+        self._alone: dict[int, dict[str, bool]] = {}  # kind -> its hook point had no other hook
         self.captured: dict[int, LayerActivations] = {}
 
     def _store(self, tensor: Tensor, hook: HookPoint, *, layer: int, kind: str) -> None:
         # tensor: pattern [batch head q k] | v [batch pos kv_head d_head] | z [batch pos head d_head]
         slot = self._pending.setdefault(layer, {})
         slot[kind] = tensor.detach() if self.detach else tensor
+        self._alone.setdefault(layer, {})[kind] = _sole_hook(hook)
         if len(slot) == 3:
             del self._pending[layer]
             v = expand_kv(slot["v"], int(self.model.cfg.n_heads))
-            with torch.no_grad():
-                modified = modified_mask(
-                    slot["pattern"], v, slot["z"], rtol=self.modified_rtol, causal=self.causal
-                )
+            if all(self._alone.pop(layer).values()):  # no other hook there: z is alpha @ v as computed
+                modified = torch.zeros(slot["pattern"].shape[:3], dtype=torch.bool, device=v.device)
+            else:
+                with torch.no_grad():
+                    modified = modified_mask(
+                        slot["pattern"], v, slot["z"], rtol=self.modified_rtol, causal=self.causal
+                    )
             acts = LayerActivations(
                 layer=layer,
                 pattern=slot["pattern"],

@@ -74,14 +74,20 @@ def test_shared_reader_reads_each_layer_once(monkeypatch):
     forwards = []
     real_run = readers.run_hooks
     monkeypatch.setattr(readers, "run_hooks", lambda *a, **k: forwards.append(1) or real_run(*a, **k))
+    # a read-only hook on every hook_z: another hook is there, so the reader checks z (hooks/readers._sole_hook)
+    watch = [(f"blocks.{layer}.attn.hook_z", lambda z, hook: None) for layer in range(3)]
     collect(
         model,
         toks,
         [SinkCollector(model), TaxonomyCollector(model), SelectionCollector(model, ns=(1, 2))],
         batch_size=2,
+        extra_hooks=watch,
     )
     assert len(forwards) == 2  # one forward per batch of 2 texts, not one per collector
     assert len(calls) == 2 * 3  # one modified-z check per layer per batch, shared by the three collectors
+    calls.clear()
+    collect(model, toks, [SinkCollector(model), TaxonomyCollector(model)], batch_size=2)
+    assert calls == []  # only the shared readers' hooks: nothing can have changed z, no check
 
 
 def test_the_pass_stops_after_the_last_layer_read():

@@ -27,6 +27,9 @@ from mechgeom.analyses.contribution import (
 )
 from mechgeom.hooks import LayerCollector, expand_kv, has_hooks, run_hooks
 
+# every test runs on the fused and the plain-torch sweep (conftest.sweep_path)
+pytestmark = pytest.mark.usefixtures("sweep_path")
+
 TINY_CONFIGS = {
     "mha_bias": dict(),
     "gqa_bias": dict(n_kv=2),

@@ -30,6 +30,9 @@ from mechgeom.hooks import (
     to_tokens,
 )
 
+# every test runs on the fused and the plain-torch sweep (conftest.sweep_path)
+pytestmark = pytest.mark.usefixtures("sweep_path")
+
 
 def _encoder(seed: int, **kw) -> object:
     return make_tiny(attention_dir="bidirectional", seed=seed, **kw)

@@ -19,6 +19,9 @@ from mechgeom.analyses.contribution import (
 from mechgeom.analyses.pruning import head_ablation_hooks, head_stats
 from mechgeom.hooks import LayerCollector, has_hooks, modified_mask
 
+# every test runs on the fused and the plain-torch sweep (conftest.sweep_path)
+pytestmark = pytest.mark.usefixtures("sweep_path")
+
 LAYER, HEAD = 1, 2
 
 

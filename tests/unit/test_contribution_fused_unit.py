@@ -1,0 +1,200 @@
+"""The fused sweep (``contribution_rows.c`` through :mod:`mechgeom.analyses.contribution_fused`) against the
+brute force and the plain-torch sweep; how the kernel is built and when it is not; and the reader's skip of
+:func:`~mechgeom.hooks.modified_mask` when no other hook can have touched a layer."""
+
+from __future__ import annotations
+
+import itertools
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import make_tiny, random_tokens
+from reference_contribution import assert_all_metrics_match, brute_force
+
+from mechgeom import _native
+from mechgeom.analyses import contribution_fused as fused
+from mechgeom.analyses.contribution import contribution_weights
+from mechgeom.analyses.contribution_geometry import INTER_METRICS, INTRA_METRICS, LayerGeometry
+from mechgeom.hooks import readers
+
+
+@pytest.fixture
+def kernel() -> None:
+    if not fused.available(torch.zeros(1)):
+        if os.environ.get("CI"):
+            pytest.fail("the fused kernel did not build in CI")
+        pytest.skip("no C compiler: the fused kernel is not built")
+
+
+@pytest.fixture
+def fresh_load():
+    """``_native.load`` forgets what it loaded, before and after the test."""
+    _native.load.cache_clear()
+    yield
+    _native.load.cache_clear()
+
+
+def _layer(B: int, H: int, Q: int, D: int, d_model: int, *, causal: bool, dtype: torch.dtype, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    scores = torch.randn(B, H, Q, Q, generator=g, dtype=dtype)
+    if causal:
+        scores = scores.masked_fill(torch.ones(Q, Q, dtype=torch.bool).triu(1), float("-inf"))
+    alpha = scores.softmax(-1)
+    v = torch.randn(B, Q, H, D, generator=g, dtype=dtype)
+    z = torch.einsum("bhqk,bkhd->bqhd", alpha, v)
+    W = torch.randn(H, D, d_model, generator=g, dtype=dtype) / d_model**0.5
+    return alpha, v, z, W
+
+
+def _both(monkeypatch: pytest.MonkeyPatch, make, intra=INTRA_METRICS, inter=INTER_METRICS):
+    """``(fused, plain)`` results of ``make().compute(intra, inter)``."""
+    got = make().compute(intra, inter)
+    with monkeypatch.context() as m:
+        m.setattr(fused, "available", lambda pattern: False)
+        plain = make().compute(intra, inter)
+    return got, plain
+
+
+def _assert_same(a: dict, b: dict, tol: float) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k].isnan(), b[k].isnan()), k
+        torch.testing.assert_close(a[k].nan_to_num(), b[k].nan_to_num(), atol=tol, rtol=tol, msg=k)
+
+
+@pytest.fixture(scope="module")
+def long_rows():
+    """One layer of 520 keys (more than the kernel's 512-key chunk) and its brute force (computed once)."""
+    alpha, v, z, W = _layer(1, 2, 520, 4, 6, causal=True, dtype=torch.float64, seed=1)
+    return (alpha, v, z, W), brute_force(alpha, v, W)
+
+
+@pytest.mark.parametrize("stream,threads", [(False, False), (True, False), (False, True), (True, True)])
+def test_long_rows_match_the_brute_force(kernel, long_rows, monkeypatch, stream: bool, threads: bool) -> None:
+    """Rows longer than a chunk, in blocks of 128, with and without non-temporal stores and with the rows of
+    each block shared between two threads."""
+    monkeypatch.setattr(fused, "_STREAM_BYTES", 0 if stream else 1 << 62)
+    monkeypatch.setattr(fused, "_MIN_PARALLEL", 0 if threads else 1 << 62)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    (alpha, v, z, W), ref = long_rows
+    intra, inter = LayerGeometry(alpha, v, z, W).compute()
+    assert_all_metrics_match(intra, inter, ref, atol=1e-9)
+    assert (intra["contribution"] < 0).any()  # not degenerate
+
+
+def test_every_case_agrees_with_the_plain_sweep(kernel, monkeypatch) -> None:
+    """Causal or not, float32 and float64, modified heads, zero outputs and values, metric subsets, blocks of
+    4 and 128, with buffers reused between layers (``zeroed``) or fresh, and an encoder's padding."""
+    subsets = [
+        (INTRA_METRICS, INTER_METRICS),
+        (["contribution"], ["value_weighted_normalized"]),
+        (["factor_cos", "value_weighted"], ["contribution", "attention"]),
+        (["head_share"], ["value_weighted"]),
+    ]
+    for causal, dtype, mod, zeros, bs, (intra, inter) in itertools.product(
+        [True, False], [torch.float32, torch.float64], [False, True], [False, True], [4, 128], subsets
+    ):
+        alpha, v, z, W = _layer(2, 3, 11, 5, 7, causal=causal, dtype=dtype, seed=2)
+        if zeros:
+            z[:, 3] = 0  # every head's output is 0 at query 3: NaN rows
+            v[:, 1, 0] = 0  # one zero projected value: cosine 0
+        modified = torch.rand(2, 3, 11, generator=torch.Generator().manual_seed(3)) < 0.2 if mod else None
+        key_mask = None if causal else torch.arange(11)[None, :] < torch.tensor([[11], [8]])
+
+        def make(alpha=alpha, v=v, z=z, W=W, bs=bs, modified=modified, causal=causal, key_mask=key_mask):
+            return LayerGeometry(
+                alpha, v, z, W, block_size=bs, modified=modified, causal=causal, key_mask=key_mask
+            )
+
+        (fi, fo), (pi, po) = _both(monkeypatch, make, intra, inter)
+        tol = 1e-5 if dtype == torch.float32 else 1e-12
+        _assert_same(fi, pi, tol)
+        _assert_same(fo, po, tol)
+
+    # recycled buffers: a second layer written into the first one's tensors, entries after each block untouched
+    alpha, v, z, W = _layer(1, 3, 40, 5, 7, causal=True, dtype=torch.float64, seed=4)
+    first_i, first_o = LayerGeometry(alpha, v, z, W, block_size=16).compute()
+    alpha2, v2, z2, W2 = _layer(1, 3, 40, 5, 7, causal=True, dtype=torch.float64, seed=5)
+    bufs_i = {k: t for k, t in first_i.items() if k != "attention"}
+    got = LayerGeometry(alpha2, v2, z2, W2, block_size=16).compute(
+        out_intra=bufs_i, out_inter=first_o, zeroed=True
+    )
+    assert_all_metrics_match(*got, brute_force(alpha2, v2, W2), atol=1e-9)
+
+
+def test_kernel_is_built_once_through_a_rename_and_reused(kernel, fresh_load, monkeypatch, tmp_path) -> None:
+    monkeypatch.setenv("MECHGEOM_CACHE", str(tmp_path))
+    lib = _native.load("mechgeom.analyses", "contribution_rows.c")
+    assert (
+        lib is not None
+        and hasattr(lib, "mg_contribution_rows_f32")
+        and hasattr(lib, "mg_contribution_rows_f64")
+    )
+    built = sorted(p.name for p in (tmp_path / "native").iterdir())
+    assert len(built) == 1 and built[0].startswith("contribution_rows-") and built[0].endswith(".so")
+    _native.load.cache_clear()  # a new process: the library is found, not built again
+    monkeypatch.setattr(_native, "_build", lambda *a: pytest.fail("built twice"))
+    assert _native.load("mechgeom.analyses", "contribution_rows.c") is not None
+
+
+def test_without_a_compiler_or_when_turned_off_the_plain_sweep_runs(
+    fresh_load, monkeypatch, tmp_path
+) -> None:
+    monkeypatch.setenv("MECHGEOM_CACHE", str(tmp_path))
+    alpha, v, z, W = _layer(1, 2, 9, 3, 5, causal=True, dtype=torch.float64, seed=6)
+    ref = brute_force(alpha, v, W)
+
+    broken = tmp_path / "cc"
+    broken.write_text("#!/bin/sh\necho 'cc: error' >&2\nexit 1\n")
+    broken.chmod(0o755)
+    monkeypatch.setattr(_native, "_compiler", lambda: str(broken))
+    assert _native.load("mechgeom.analyses", "contribution_rows.c") is None  # every flag set fails
+    assert not any(Path(tmp_path / "native").glob("*")), "a failed build leaves no file behind"
+    assert not fused.available(alpha)
+    assert_all_metrics_match(*LayerGeometry(alpha, v, z, W).compute(), ref, atol=1e-9)
+
+    _native.load.cache_clear()
+    monkeypatch.setattr(_native, "_compiler", lambda: None)
+    assert _native.load("mechgeom.analyses", "contribution_rows.c") is None
+
+    _native.load.cache_clear()
+    monkeypatch.undo()
+    monkeypatch.setenv("MECHGEOM_NATIVE", "0")
+    assert _native.disabled() and _native.load("mechgeom.analyses", "contribution_rows.c") is None
+    assert not fused.available(alpha)
+    assert not fused.available(alpha.to(torch.float16))  # the kernel has float32 and float64 only
+
+
+def test_the_modified_check_runs_only_where_another_hook_could_have_changed_the_layer(monkeypatch) -> None:
+    model = make_tiny(n_layers=2, n_kv=2, seed=11)
+    tokens = random_tokens(batch=2, pos=9, seed=12)
+    calls: list[int] = []
+    real = readers.modified_mask
+    monkeypatch.setattr(readers, "modified_mask", lambda *a, **k: calls.append(1) or real(*a, **k))
+
+    alone = contribution_weights(model, tokens)
+    assert calls == [] and not alone.modified.any()  # only the readers' hooks: z is alpha @ v
+
+    def look(z, hook):  # reads, changes nothing
+        return None
+
+    watched = contribution_weights(model, tokens, extra_hooks=[("blocks.1.attn.hook_z", look)])
+    assert len(calls) == 1 and not watched.modified.any()  # layer 1 checked, layer 0 not
+    for name in INTRA_METRICS:
+        torch.testing.assert_close(watched.intra[name], alone.intra[name], equal_nan=True)
+
+    def zero_head(z, hook):  # [batch pos head d_head]: head 2 removed
+        z[:, :, 2] = 0
+        return z
+
+    calls.clear()
+    removed = contribution_weights(model, tokens, extra_hooks=[("blocks.0.attn.hook_z", zero_head)])
+    assert len(calls) == 1 and removed.modified[:, 0, 2].all() and not removed.modified[:, 1].any()
+
+    model.train()  # dropout may act after hook_pattern: the check runs
+    calls.clear()
+    contribution_weights(model, tokens)
+    model.eval()
+    assert len(calls) == 2
