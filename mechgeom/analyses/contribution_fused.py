@@ -59,8 +59,6 @@ _POOL: dict[int, ThreadPoolExecutor] = {}
 _POOL_LOCK = threading.Lock()
 #: Work per block (query rows x keys x heads x texts) below which one thread does it.
 _MIN_PARALLEL = 1 << 19
-#: Bytes of output per layer above which rows are written with non-temporal stores.
-_STREAM_BYTES = 32 << 20
 
 
 def _kernel(dtype: torch.dtype) -> Callable[..., None] | None:
@@ -71,7 +69,7 @@ def _kernel(dtype: torch.dtype) -> Callable[..., None] | None:
         return None
     fn = getattr(lib, _SYMBOLS[dtype])
     fn.restype = None
-    fn.argtypes = [ctypes.c_int64] * 7 + [ctypes.c_int] * 3 + [ctypes.c_void_p, ctypes.c_void_p]
+    fn.argtypes = [ctypes.c_int64] * 7 + [ctypes.c_int] * 2 + [ctypes.c_void_p, ctypes.c_void_p]
     return fn  # type: ignore[no-any-return]
 
 
@@ -166,8 +164,6 @@ def sweep_blocks(geo: LayerGeometry, want: set[str], out: dict[str, Tensor], *, 
         assert t.stride(-1) == 1 and t.dtype == dtype
         put(name, t, "bqk" if name.endswith("_inter") else "bhqk")
     n_threads = max(1, torch.get_num_threads())
-    # outputs larger than the caches go out with non-temporal stores (no read of each line before its write)
-    stream = sum(t.numel() for t in out.values()) * es > _STREAM_BYTES
 
     for q0 in range(0, Q, geo.block_size):
         q1 = min(q0 + geo.block_size, Q)
@@ -186,7 +182,7 @@ def sweep_blocks(geo: LayerGeometry, want: set[str], out: dict[str, Tensor], *, 
         rows = B * n * k1 * H
         t_use = min(n_threads, n) if rows >= _MIN_PARALLEL else 1
         args = (B, H, Q, q0, q1)
-        flags = (int(geo.causal), int(zeroed), int(stream))
+        flags = (int(geo.causal), int(zeroed))
         if t_use == 1:
             kernel(*args, 0, 1, *flags, ptrs, strides)
         else:

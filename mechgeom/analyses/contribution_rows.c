@@ -17,59 +17,24 @@
  *            15 attention_inter  16 value_weighted_inter  17 value_weighted_normalized_inter
  *            18 contribution_inter   [b q k]
  * Row i gets keys j < i + 1 (causal) or every key; a causal row is 0 from i + 1 up to q1 when `zeroed`
- * (the buffer is known to hold 0 after the block), else up to Q. With `stream`, rows are written with
- * non-temporal stores (outputs larger than the caches: no read of the line before it is written).
+ * (the buffer is known to hold 0 after the block), else up to Q.
  */
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
-#if defined(__AVX__)
-#include <immintrin.h>
-#endif
 
 #define N_SLOTS 19
 #define CHUNK 512 /* keys per pass: the temporary rows stay in L1/L2 */
+#define COPY(dst, src, n) memcpy((dst), (src), sizeof(*(dst)) * (n))
 
-/* dst[0:n] = src[0:n]; with `stream`, non-temporal stores of W elements from the first aligned one */
-#if defined(__AVX__)
-#define PUT_FN(NAME, T, W, STORE, LOAD)                                                             \
-static void NAME(T *dst, const T *src, int64_t n, int stream) {                                     \
-    if (stream) {                                                                                   \
-        int64_t j = 0;                                                                              \
-        for (; j < n && ((uintptr_t)(dst + j) & 31); j++) dst[j] = src[j];                          \
-        for (; j + W <= n; j += W) STORE(dst + j, LOAD(src + j));                                   \
-        for (; j < n; j++) dst[j] = src[j];                                                         \
-        return;                                                                                     \
-    }                                                                                               \
-    memcpy(dst, src, sizeof(T) * n);                                                                \
-}
-PUT_FN(put_f32, float, 8, _mm256_stream_ps, _mm256_loadu_ps)
-PUT_FN(put_f64, double, 4, _mm256_stream_pd, _mm256_loadu_pd)
-#else
-#define PUT_FN(NAME, T)                                                                             \
-static void NAME(T *dst, const T *src, int64_t n, int stream) {                                     \
-    (void)stream;                                                                                   \
-    memcpy(dst, src, sizeof(T) * n);                                                                \
-}
-PUT_FN(put_f32, float)
-PUT_FN(put_f64, double)
-#endif
-
-static void fence(void) {
-#if defined(__AVX__)
-    _mm_sfence(); /* non-temporal stores are weakly ordered: visible before the call returns */
-#endif
-}
-
-#define KERNEL(NAME, T, PUT)                                                                        \
+#define KERNEL(NAME, T)                                                                        \
 void NAME(int64_t B, int64_t H, int64_t Q, int64_t q0, int64_t q1, int64_t row_start,               \
-          int64_t row_step, int causal, int zeroed, int stream, void **ptr, const int64_t *st)      \
+          int64_t row_step, int causal, int zeroed, void **ptr, const int64_t *st)                  \
 {                                                                                                   \
     T *p_[N_SLOTS];                                                                                 \
     for (int s = 0; s < N_SLOTS; s++) p_[s] = (T *)ptr[s];                                           \
     const T nan_ = (T)NAN, inv_h = (T)1 / (T)H;                                                     \
-    T tmp[6][CHUNK], att[CHUNK], ci[CHUNK], sq[CHUNK], zero[CHUNK];                                 \
-    memset(zero, 0, sizeof(zero));                                                                  \
+    T tmp[6][CHUNK], att[CHUNK], ci[CHUNK], sq[CHUNK];                                              \
     const int want_vwi = p_[16] || p_[17];                                                          \
     for (int64_t b = 0; b < B; b++)                                                                 \
     for (int64_t i = q0 + row_start; i < q1; i += row_step) {                                       \
@@ -89,9 +54,9 @@ void NAME(int64_t B, int64_t H, int64_t Q, int64_t q0, int64_t q1, int64_t row_s
                 const T *vn = p_[3] ? p_[3] + b * st[9] + h * st[10] + j0 : 0;                      \
                 const T ioh = p_[5] ? p_[5][b * st[15] + h * st[16] + i * st[17]] : (T)0;           \
                 const T kp = p_[7] ? p_[7][b * st[21] + h * st[22] + i * st[23]] : (T)1;            \
-                T *o[6]; /* the output rows, or (streaming) temporary rows copied out below */      \
+                T *o[6]; /* the output rows, or temporary rows for outputs not wanted */            \
                 for (int s = 0; s < 6; s++)                                                         \
-                    o[s] = !p_[9 + s] || stream ? tmp[s] : p_[9 + s] + b * st[3 * (9 + s)] +       \
+                    o[s] = !p_[9 + s] ? tmp[s] : p_[9 + s] + b * st[3 * (9 + s)] +                 \
                            h * st[3 * (9 + s) + 1] + i * st[3 * (9 + s) + 2] + j0;                  \
                 if (p_[9]) { /* alpha ‖vt‖; NaN for a modified head */                              \
                     const T m = kp == (T)0 ? nan_ : (T)1;                                           \
@@ -135,37 +100,32 @@ void NAME(int64_t B, int64_t H, int64_t Q, int64_t q0, int64_t q1, int64_t row_s
                                 for (int64_t j = 0; j < n; j++) sq[j] += a[j] * (gr[r][j] * ag[r][j]); \
                     }                                                                               \
                 }                                                                                   \
-                for (int s = 0; s < 6; s++)                                                         \
-                    if (p_[9 + s] && stream)                                                        \
-                        PUT(p_[9 + s] + b * st[3 * (9 + s)] + h * st[3 * (9 + s) + 1] +             \
-                                i * st[3 * (9 + s) + 2] + j0, tmp[s], n, stream);                   \
             }                                                                                       \
             if (p_[15]) {                                                                           \
                 for (int64_t j = 0; j < n; j++) att[j] *= inv_h;                                    \
-                PUT(dst_i[0] + j0, att, n, stream);                                                 \
+                COPY(dst_i[0] + j0, att, n);                                                 \
             }                                                                                       \
             if (want_vwi) {                                                                         \
                 for (int64_t j = 0; j < n; j++) sq[j] = sqrt(sq[j] > (T)0 ? sq[j] : (T)0);          \
-                if (p_[16]) PUT(dst_i[1] + j0, sq, n, stream);                                      \
+                if (p_[16]) COPY(dst_i[1] + j0, sq, n);                                      \
                 if (p_[17]) {                                                                       \
                     for (int64_t j = 0; j < n; j++) sq[j] *= iol;                                   \
-                    PUT(dst_i[2] + j0, sq, n, stream);                                              \
+                    COPY(dst_i[2] + j0, sq, n);                                              \
                 }                                                                                   \
             }                                                                                       \
-            if (p_[18]) PUT(dst_i[3] + j0, ci, n, stream);                                          \
+            if (p_[18]) COPY(dst_i[3] + j0, ci, n);                                          \
         }                                                                                           \
         for (int64_t j0 = kend; j0 < zend; j0 += CHUNK) { /* not sources: key > query */            \
             const int64_t n = zend - j0 < CHUNK ? zend - j0 : CHUNK;                                \
             for (int s = 9; s < 15; s++)                                                            \
                 if (p_[s])                                                                          \
                     for (int64_t h = 0; h < H; h++)                                                 \
-                        PUT(p_[s] + b * st[3 * s] + h * st[3 * s + 1] + i * st[3 * s + 2] + j0, zero, n, stream); \
+                        memset(p_[s] + b * st[3 * s] + h * st[3 * s + 1] + i * st[3 * s + 2] + j0, 0, sizeof(T) * n); \
             for (int s = 0; s < 4; s++)                                                             \
-                if (dst_i[s]) PUT(dst_i[s] + j0, zero, n, stream);                                  \
+                if (dst_i[s]) memset(dst_i[s] + j0, 0, sizeof(T) * n);                        \
         }                                                                                           \
     }                                                                                               \
-    if (stream) fence();                                                                            \
 }
 
-KERNEL(mg_contribution_rows_f32, float, put_f32)
-KERNEL(mg_contribution_rows_f64, double, put_f64)
+KERNEL(mg_contribution_rows_f32, float)
+KERNEL(mg_contribution_rows_f64, double)

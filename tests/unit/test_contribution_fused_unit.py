@@ -71,11 +71,10 @@ def long_rows():
     return (alpha, v, z, W), brute_force(alpha, v, W)
 
 
-@pytest.mark.parametrize("stream,threads", [(False, False), (True, False), (False, True), (True, True)])
-def test_long_rows_match_the_brute_force(kernel, long_rows, monkeypatch, stream: bool, threads: bool) -> None:
-    """Rows longer than a chunk, in blocks of 128, with and without non-temporal stores and with the rows of
-    each block shared between two threads."""
-    monkeypatch.setattr(fused, "_STREAM_BYTES", 0 if stream else 1 << 62)
+@pytest.mark.parametrize("threads", [False, True])
+def test_long_rows_match_the_brute_force(kernel, long_rows, monkeypatch, threads: bool) -> None:
+    """Rows longer than a chunk, in blocks of 128, on one thread and with the rows of each block shared
+    between two threads."""
     monkeypatch.setattr(fused, "_MIN_PARALLEL", 0 if threads else 1 << 62)
     monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
     (alpha, v, z, W), ref = long_rows
