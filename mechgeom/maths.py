@@ -6,6 +6,7 @@ Imports nothing of mechgeom above the foundation, so both :mod:`mechgeom.hooks` 
 
 from __future__ import annotations
 
+import weakref
 from collections import OrderedDict
 from typing import Any
 
@@ -14,7 +15,7 @@ import torch
 
 from mechgeom.typing import WO, Float, Int, Tensor
 
-__all__ = ["rank_dtype", "stable_ranks", "wo_gram", "wo_gram_full"]
+__all__ = ["rank_dtype", "stable_ranks", "wo_gram", "wo_gram_circulant", "wo_gram_full"]
 
 _WO_GRAMS: OrderedDict[tuple[Any, ...], tuple[Tensor, Tensor]] = OrderedDict()
 _CACHE_SIZE = 64
@@ -48,6 +49,48 @@ def wo_gram_full(
     while len(_WO_GRAMS) > _CACHE_SIZE:
         _WO_GRAMS.popitem(last=False)
     return gram
+
+
+_CIRCULANT: OrderedDict[int, tuple[weakref.ref[Tensor], tuple[Tensor, Tensor | None, Tensor, Tensor]]] = (
+    OrderedDict()
+)
+
+
+def wo_gram_circulant(
+    full: Float[Tensor, "head_index d_head head_index2 d_head2"],
+) -> tuple[Tensor, Tensor | None, Tensor, Tensor]:
+    """For the per-token Gram of projected values (each unordered head pair once): ``M[h,:,(h+r)%H,:]`` as ``[h d (r e)]`` (``r = 0 .. H // 2``), the columns
+    ``h * R + r`` of the pairs to keep (``None``: all of them, an odd ``H``) and their flat indices ``h * H + g``
+    and ``g * H + h`` in ``G``. Weight-only: kept per :func:`wo_gram_full` result (64 at most).
+
+    >>> mc, keep, hg, gh = wo_gram_circulant(wo_gram_full(torch.ones(3, 2, 4)))
+    >>> tuple(mc.shape), keep, hg.tolist(), gh.tolist()  # H = 3: r = 0, 1 covers the 6 pairs
+    ((3, 2, 4), None, [0, 1, 4, 5, 8, 6], [0, 3, 4, 7, 8, 2])"""
+    hit = _CIRCULANT.get(id(full))
+    if hit is not None and hit[0]() is full:
+        return hit[1]
+    H = full.shape[0]
+    R = H // 2 + 1
+    heads = torch.arange(H)
+    g_of = (heads[:, None] + torch.arange(R)[None, :]) % H  # [h r]
+    mc = einops.rearrange(full[heads[:, None], :, g_of, :], "h r d e -> h d (r e)").contiguous()
+    seen: set[tuple[int, int]] = set()  # each unordered pair once (an even H meets r = H/2 from both sides)
+    cols, hg, gh = [], [], []
+    for h in range(H):
+        for r in range(R):
+            g = (h + r) % H
+            if (min(h, g), max(h, g)) not in seen:
+                seen.add((min(h, g), max(h, g)))
+                cols.append(h * R + r)
+                hg.append(h * H + g)
+                gh.append(g * H + h)
+    dev = full.device
+    keep = None if len(cols) == H * R else torch.tensor(cols, device=dev)
+    entry = (mc, keep, torch.tensor(hg, device=dev), torch.tensor(gh, device=dev))
+    _CIRCULANT[id(full)] = (weakref.ref(full), entry)
+    while len(_CIRCULANT) > 64:
+        _CIRCULANT.popitem(last=False)
+    return entry
 
 
 def wo_gram(W_O: WO, *, dtype: torch.dtype | None = None) -> Float[Tensor, "head_index d_head d_head2"]:

@@ -57,8 +57,10 @@ SLOTS = (
 _SYMBOLS = {torch.float32: "mg_contribution_rows_f32", torch.float64: "mg_contribution_rows_f64"}
 _POOL: dict[int, ThreadPoolExecutor] = {}
 _POOL_LOCK = threading.Lock()
-#: Work per block (query rows x keys x heads x texts) below which one thread does it.
-_MIN_PARALLEL = 1 << 19
+#: Work per block (query rows x keys x heads x texts) below which one thread does it. The kernel writes at about
+#: the bandwidth one core gets, and right after a matmul BLAS's own threads still hold the other cores: measured
+#: in situ on 2 cores, splitting rows did not pay at 1x256 or 1x1024 (blocks of 64 queries: 0.15-0.6M entries).
+_MIN_PARALLEL = 1 << 21
 
 
 def _kernel(dtype: torch.dtype) -> Callable[..., None] | None:
@@ -86,24 +88,16 @@ def _pool(n: int) -> ThreadPoolExecutor:
 
 
 def _strides(t: Tensor, kind: str) -> tuple[int, int, int]:
-    """Element strides ``(b, h, i)`` of a ``[b h q k]`` / ``[b h k]`` / ``[b h q]`` / ``[b q k]`` / ``[b q]`` tensor
-    (``kind``: ``"bhqk"``, ``"bhk"``, ``"bhq"``, ``"bqk"``, ``"bq"``), the last axis of each of unit stride."""
-    s = t.stride()
-    if kind == "bhqk":
-        return s[0], s[1], s[2]
-    if kind == "bhk":
-        return s[0], s[1], 0
-    if kind == "bhq":
-        return s[0], s[1], s[2]
-    if kind == "bqk":
-        return s[0], 0, s[1]
-    return s[0], 0, s[1]  # bq
+    """Element strides ``(b, h, i)`` of a tensor laid out as ``kind`` (``"bhqk"``, ``"bhk"``, ``"bhq"``, ``"bqk"``
+    or ``"bq"``), 0 for an axis it lacks; its last axis has unit stride."""
+    s = dict(zip(kind, t.stride(), strict=True))
+    return s["b"], s.get("h", 0), s.get("q", 0)
 
 
 def sweep_blocks(geo: LayerGeometry, want: set[str], out: dict[str, Tensor], *, zeroed: bool) -> None:
     """Write the metrics ``want`` of ``geo`` into ``out`` (full ``[b h q k]`` / ``[b q k]`` tensors, unit stride
     along keys); ``zeroed``: ``out`` already holds 0 at every key after each block (see ``compute``)."""
-    from mechgeom.analyses.contribution_geometry import _inv_or_nan, _inv_or_zero
+    from mechgeom.analyses.contribution_geometry import FUSED_BLOCK_SIZE, _inv_or_nan, _inv_or_zero
 
     alpha = geo.pattern if geo.pattern.stride(-1) == 1 else geo.pattern.contiguous()
     B, H, Q, _ = alpha.shape
@@ -117,6 +111,7 @@ def sweep_blocks(geo: LayerGeometry, want: set[str], out: dict[str, Tensor], *, 
     need_vwi = bool(want & {"value_weighted_inter", "value_weighted_normalized_inter"})
     need_ol = need_d2 or need_vwi
     mod = geo.modified  # [b h q] or None
+    step = geo.block_size or FUSED_BLOCK_SIZE
 
     ins: dict[str, tuple[Tensor, str]] = {}
     if need_vwi:  # first, so that vt_norm is read off its diagonal
@@ -145,7 +140,7 @@ def sweep_blocks(geo: LayerGeometry, want: set[str], out: dict[str, Tensor], *, 
         for kind_i, u in enumerate(kinds):
             left[:, :, :, kind_i] = einops.rearrange(u, "b q h d -> b h q d")
         v_t = einops.rearrange(geo.v.to(dtype), "b k h d -> (b h) d k").contiguous()
-        bs = min(geo.block_size, Q)
+        bs = min(step, Q)
         scratch = geo.scratch("fused_products", (B * H * n_kinds * bs * Q,))
 
     ptrs = (ctypes.c_void_p * len(SLOTS))()
@@ -165,8 +160,8 @@ def sweep_blocks(geo: LayerGeometry, want: set[str], out: dict[str, Tensor], *, 
         put(name, t, "bqk" if name.endswith("_inter") else "bhqk")
     n_threads = max(1, torch.get_num_threads())
 
-    for q0 in range(0, Q, geo.block_size):
-        q1 = min(q0 + geo.block_size, Q)
+    for q0 in range(0, Q, step):
+        q1 = min(q0 + step, Q)
         n = q1 - q0
         k1 = q1 if geo.causal else Q
         if n_kinds:

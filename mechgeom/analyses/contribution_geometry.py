@@ -43,7 +43,7 @@ from mechgeom.analyses import contribution_fused as fused
 from mechgeom.hooks import LayerActivations, head_outputs
 from mechgeom.typing import WO, Bool, Float, HeadScores, LayerScores, Pattern, Tensor, Values, Z
 
-__all__ = ["BLOCK_SIZE", "INTER_METRICS", "INTRA_METRICS", "LayerGeometry"]
+__all__ = ["BLOCK_SIZE", "FUSED_BLOCK_SIZE", "INTER_METRICS", "INTRA_METRICS", "LayerGeometry"]
 
 #: Per-head metrics, ``[batch, layer, head_index, query_pos, key_pos]``.
 INTRA_METRICS = (
@@ -58,8 +58,12 @@ INTRA_METRICS = (
 #: Whole-layer metrics, ``[batch, layer, query_pos, key_pos]``.
 INTER_METRICS = ("attention", "value_weighted", "value_weighted_normalized", "contribution")
 
-#: Queries per block of the blocked computation (see "Causal layout" in the module docstring).
+#: Queries per block of the blocked computation (see "Causal layout" in the module docstring): the plain-torch
+#: sweep's default (fewer, larger tensor operations pay there, on a GPU above all).
 BLOCK_SIZE = 128
+#: The fused sweep's default: smaller blocks waste less of the causal triangle in its one matmul per block
+#: (the C kernel skips those keys anyway), and their products stay in cache.
+FUSED_BLOCK_SIZE = 64
 #: Tokens per batched matmul of :attr:`LayerGeometry.gram` (its temporary is ``[head, tokens, d_model]``).
 GRAM_CHUNK = 256
 
@@ -90,7 +94,7 @@ class LayerGeometry:
         z: Z,
         W_O: WO,
         *,
-        block_size: int = BLOCK_SIZE,
+        block_size: int | None = None,
         modified: Bool[Tensor, "batch head_index query_pos"] | None = None,
         causal: bool = True,
         key_mask: Bool[Tensor, "batch key_pos"] | None = None,
@@ -104,7 +108,8 @@ class LayerGeometry:
         self.v = v
         self.z = z
         self.W_O = W_O
-        self.block_size = max(1, int(block_size))
+        #: Queries per block; ``None``: each sweep's own default (:data:`BLOCK_SIZE`, :data:`FUSED_BLOCK_SIZE`).
+        self.block_size = None if block_size is None else max(1, int(block_size))
         #: ``[b h q]`` heads whose ``z`` an earlier hook changed (see the module docstring); ``None`` = none.
         self.modified = modified if modified is not None and bool(modified.any()) else None
         self.causal = bool(causal)
@@ -132,7 +137,7 @@ class LayerGeometry:
         cls,
         acts: LayerActivations,
         *,
-        block_size: int = BLOCK_SIZE,
+        block_size: int | None = None,
         workspace: dict[str, Tensor] | None = None,
     ) -> LayerGeometry:
         return cls(
@@ -237,21 +242,35 @@ class LayerGeometry:
     def gram(self) -> Float[Tensor, "batch key_pos head_index head_index2"]:
         """``G_j[h,g] = <vt[j,h], vt[j,g]> = v[j,h] M[h,:,g,:] v[j,g]``, the per-token ``[head, head]`` Gram matrix.
 
-        Computed in ``d_head`` from :attr:`wo_gram_full`: one batched matmul gives ``y[j,h] = v[j,h] M[h,:,g,:]``
-        for every ``g`` (``[head, tokens, head * d_head]``, at most :data:`GRAM_CHUNK` tokens at a time), and its
+        Computed in ``d_head`` from :attr:`wo_gram_full`, each unordered pair of heads once (``G`` is
+        symmetric): head ``h`` takes the heads ``g = (h + r) mod H`` for ``r = 0 .. H // 2``, which covers
+        every pair, so one batched matmul gives ``y[j,h,r] = v[j,h] M[h,:,g,:]`` for all of them
+        (``[head, tokens, (H // 2 + 1) * d_head]``, at most :data:`GRAM_CHUNK` tokens at a time), and its
         product with ``v[j,g]`` summed over ``d_head`` gives ``G``; no ``d_model`` vector of a token is ever formed.
         """
         B, K, H, D = self.v.shape
+        R = H // 2 + 1
+        mc, cols, hg, gh = maths.wo_gram_circulant(self.wo_gram_full)
         v = self.v.reshape(B * K, H, D)
-        m = self.wo_gram_full.reshape(H, D, H * D)  # [h d (g e)]
-        out = v.new_empty((B * K, H, H))
-        v_h = v.transpose(0, 1).contiguous()  # [h (b k) d]
+        # [(h r) (b k) d]: head h's values, then heads 0 .. R-2 again, so that head (h + r) % H is row h + r
+        v_wrap = self.scratch("gram_v", (H + R - 1, B * K, D))
+        v_wrap[:H] = v.transpose(0, 1)
+        v_wrap[H:] = v_wrap[: R - 1]
+        out = v.new_empty((B * K, H * H))
         for t0 in range(0, B * K, GRAM_CHUNK):
             n = min(GRAM_CHUNK, B * K - t0)
-            y = self.scratch("gram_y", (H, n, H, D))
-            torch.bmm(v_h[:, t0 : t0 + n], m, out=y.view(H, n, H * D))  # v[j,h] M[h,:,g,:]
-            y.mul_(v[None, t0 : t0 + n])
-            out[t0 : t0 + n] = y.sum(-1).transpose(0, 1)  # [t h g]
+            y = self.scratch("gram_y", (H, n, R, D))
+            torch.bmm(v_wrap[:H, t0 : t0 + n], mc, out=y.view(H, n, R * D))  # v[j,h] M[h,:,(h+r)%H,:]
+            v_g = v_wrap.as_strided(  # [h n r d]: v[j, (h+r)%H]
+                (H, n, R, D), (B * K * D, D, B * K * D, 1), v_wrap.storage_offset() + t0 * D
+            )
+            y.mul_(v_g)
+            pairs = einops.rearrange(y.sum(-1), "h n r -> n (h r)")
+            if cols is not None:
+                pairs = pairs[:, cols]
+            block = out[t0 : t0 + n]
+            block[:, hg] = pairs
+            block[:, gh] = pairs
         return out.view(B, K, H, H)
 
     # ---- the metrics of SPEC.md §A, one function each (the formula is in the block kernels below)
@@ -434,12 +453,13 @@ class LayerGeometry:
         nan_l = inv_ol.isnan().any(0) if inv_ol is not None else torch.zeros(Q, dtype=torch.bool)
         nan_m = mod.any((0, 1)) if mod is not None else torch.zeros(Q, dtype=torch.bool)
         nan_rows = (nan_h.cpu() | nan_l.cpu() | nan_m.cpu()).tolist()
-        bs = min(self.block_size, Q)
+        step = self.block_size or BLOCK_SIZE
+        bs = min(step, Q)
         upper = torch.ones(bs, bs, dtype=torch.bool, device=alpha.device).triu_(1)  # key > query in a block
         lower = (~upper).to(alpha.dtype)  # 1 where key <= query: a product zeroes the rest ~8x faster
 
-        for q0 in range(0, Q, self.block_size):
-            q1 = min(q0 + self.block_size, Q)
+        for q0 in range(0, Q, step):
+            q1 = min(q0 + step, Q)
             k1 = q1 if self.causal else Q  # the keys these queries see
             a = alpha[:, :, q0:q1, :k1]
 

@@ -685,3 +685,29 @@ def test_geometry_lives_in_its_module_and_uses_the_shared_gram() -> None:
     assert geo.wo_gram_full is maths.wo_gram_full(W)  # the one cache of mechgeom.maths
     assert torch.equal(geo.wo_gram, maths.wo_gram(W))
     torch.testing.assert_close(geo.wo_gram, torch.einsum("hdm,hem->hde", W, W))
+
+
+@pytest.mark.parametrize("n_heads", [1, 2, 3, 4, 5, 9])
+def test_gram_of_each_head_pair_once_matches_materialised_values(
+    n_heads: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``G_j[h,g] = <vt[j,h], vt[j,g]>`` from each unordered pair once (odd and even head counts), in chunks."""
+    from mechgeom.analyses import contribution_geometry
+
+    monkeypatch.setattr(contribution_geometry, "GRAM_CHUNK", 7)  # several chunks, the last one partial
+    g = torch.Generator().manual_seed(n_heads)
+    B, K, D, M = 2, 11, 3, 5
+    W = torch.randn(n_heads, D, M, generator=g, dtype=torch.float64)
+    v = expand_kv(torch.randn(B, K, 1, D, generator=g, dtype=torch.float64), n_heads)  # one KV head (MQA)
+    v = v + torch.randn(B, K, n_heads, D, generator=g, dtype=torch.float64)  # and per-head values
+    z = torch.randn(B, K, n_heads, D, generator=g, dtype=torch.float64)
+    alpha = torch.softmax(torch.randn(B, n_heads, K, K, generator=g, dtype=torch.float64), -1)
+    workspace: dict[str, torch.Tensor] = {}
+    vt = torch.einsum("bkhd,hdm->bkhm", v, W)  # materialised [b k h d_model]
+    ref = torch.einsum("bkhm,bkgm->bkhg", vt, vt)
+    for _ in range(2):  # the second time on the workspace's recycled temporaries
+        geo = LayerGeometry(alpha, v, z, W, workspace=workspace)
+        torch.testing.assert_close(geo.gram, ref, atol=1e-12, rtol=0)
+        assert torch.equal(geo.gram, geo.gram.transpose(-1, -2))
+        torch.testing.assert_close(geo.vt_norm, vt.norm(dim=-1).transpose(1, 2), atol=1e-12, rtol=0)
+    assert {"gram_y", "gram_v"} <= set(workspace)
