@@ -38,6 +38,7 @@ from __future__ import annotations
 import hashlib
 import importlib
 import math
+import time
 from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -46,6 +47,7 @@ from typing import Any, Protocol
 import numpy as np
 import pandas as pd
 
+from mechgeom._batch_queue import BatchQueue
 from mechgeom._io import read_frame, write_frame
 from mechgeom._progress import progress
 
@@ -445,11 +447,22 @@ class RayExecutor:
         self._held = False
         self.close()
 
-    def close(self) -> None:
-        """Kill the actors, and shut down a cluster this executor started."""
+    def close(self, wait: float = 30.0) -> None:
+        """Kill the actors and wait (up to ``wait`` seconds in all) until each is dead, so that their
+        resources are free on return; then shut down a cluster this executor started. ``ray.kill`` only
+        asks for the kill: a call sent just after it may still be served, so each actor is called until
+        Ray answers that it died."""
         ray = self._ray
         for actor in self.actors:
             ray.kill(actor)
+        deadline = time.monotonic() + wait
+        for actor in self.actors:
+            while (left := deadline - time.monotonic()) > 0:
+                try:
+                    ray.get(actor.process_id.remote(), timeout=left)
+                except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+                    break
+                time.sleep(0.02)
         self.actors, self._pid_refs = [], []
         if self._started_cluster:
             ray.shutdown()
@@ -499,7 +512,7 @@ class RayExecutor:
         self._start(min(self.workers, len(items)) if not self._held else self.workers)
         ray = self._ray
         fn_ref = ray.put(fn)
-        queue = _BatchQueue(items)
+        queue = BatchQueue(items)
         running: dict[Any, tuple[int, int]] = {}  # object ref -> (actor slot, item index)
         load = [0] * len(self.actors)
         tries: dict[int, int] = {}
@@ -545,7 +558,7 @@ class RayExecutor:
         lost: int,
         exc: BaseException,
         running: dict[Any, tuple[int, int]],
-        queue: _BatchQueue,
+        queue: BatchQueue,
         tries: dict[int, int],
     ) -> None:
         """The actor of ``slot`` died: requeue its items (the failed one and those still queued on it) and
@@ -564,36 +577,3 @@ class RayExecutor:
         self.actors[slot] = self._new_actor()
         self._pid_refs[slot] = self.actors[slot].process_id.remote()
         self.restarts += 1
-
-
-class _BatchQueue:
-    """Pending item indices grouped by batch; each actor slot owns a batch while it has items."""
-
-    def __init__(self, items: Sequence[Item]) -> None:
-        self.items = list(items)
-        groups: dict[Any, list[int]] = {}
-        for i, item in enumerate(self.items):
-            b = item.batch if isinstance(item.batch, Hashable) else repr(item.batch)
-            groups.setdefault(("batch", b) if item.batch is not None else ("item", i), []).append(i)
-        self.free: list[list[int]] = list(groups.values())
-        self.owned: dict[int, list[int]] = {}
-
-    def take(self, slot: int) -> tuple[int, Item] | None:
-        group = self.owned.get(slot)
-        if not group:
-            if self.free:
-                group = self.owned[slot] = self.free.pop(0)
-            else:  # steal the second half of the largest owned batch
-                donor = max(self.owned.values(), key=len, default=[])
-                if len(donor) < 2:
-                    return None
-                half = len(donor) // 2
-                group = self.owned[slot] = donor[half:]
-                del donor[half:]
-        i = group.pop(0)
-        return i, self.items[i]
-
-    def give_back(self, slot: int, items: list[int]) -> None:
-        """The items a dead actor held, with its batch, back to the front of the queue for any actor."""
-        group = sorted([*items, *self.owned.pop(slot, [])])
-        self.free.insert(0, group)

@@ -14,7 +14,7 @@ import pytest
 import mechgeom
 
 PKG = Path(mechgeom.__file__).parent
-BELOW_HOOKS = {"typing", "_io", "_progress", "sweep", "models", "data", "maths"}
+BELOW_HOOKS = {"typing", "_io", "_progress", "_batch_queue", "sweep", "models", "data", "maths"}
 PRESENTATION = ("mechgeom.viz", "mechgeom.report", "mechgeom.cli")
 
 

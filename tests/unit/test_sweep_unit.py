@@ -10,6 +10,7 @@ import sys
 import textwrap
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pandas as pd
 import pytest
@@ -355,3 +356,50 @@ def test_faithfulness_items_share_one_clean_pass_per_batch_and_aliased_masked_pa
     alone = fa.perplexity_curves(model, tokens, ["value_weighted_normalized"], **kw)
     shared = both[both["metric"] == "value_weighted_normalized"].reset_index(drop=True)
     pd.testing.assert_frame_equal(shared, alone)
+
+
+def test_ray_executor_close_waits_until_each_killed_actor_is_dead():
+    """``ray.kill`` only asks: a call sent just after it may still be served. close() returns once Ray
+    answers that each actor died (a fake Ray whose actors serve two more calls after their kill), and gives
+    up on an actor that never answers after ``wait`` seconds."""
+    from mechgeom.sweep import RayExecutor
+
+    class ActorDied(Exception):
+        pass
+
+    class Timeout(Exception):
+        pass
+
+    class Actor:
+        def __init__(self, grace):
+            self.killed, self.grace, self.calls = False, grace, 0
+            self.process_id = SimpleNamespace(remote=self.call)
+
+        def call(self):
+            self.calls += 1
+            if self.killed and self.grace == 0:
+                return ActorDied()
+            if self.killed and self.grace is not None:
+                self.grace -= 1
+            return 123 if self.grace is not None else Timeout()
+
+    def get(ref, timeout):
+        if isinstance(ref, Exception):
+            raise ref
+        return ref
+
+    fake = SimpleNamespace(
+        kill=lambda a: setattr(a, "killed", True),
+        get=get,
+        exceptions=SimpleNamespace(RayActorError=ActorDied, GetTimeoutError=Timeout),
+    )
+    ex = RayExecutor("smollm2-135m", workers=2)
+    ex._ray, ex.actors = fake, [Actor(2), Actor(3)]
+    actors = list(ex.actors)
+    ex.close()
+    assert ex.actors == [] and all(a.killed and a.grace == 0 for a in actors)
+    assert [a.calls for a in actors] == [3, 4]  # served twice (three times) after the kill, then dead
+    hung = Actor(None)  # never answers: one call, timed out, and close() returns
+    ex._ray, ex.actors = fake, [hung]
+    ex.close(wait=0.5)
+    assert hung.killed and hung.calls == 1 and ex.actors == []
