@@ -32,6 +32,14 @@ def test_logits_match_huggingface(smollm2, smollm2_hf) -> None:
         assert (ref - got).abs().max().item() <= 1e-3
 
 
+def test_the_hooked_model_copies_no_linear_weight_per_pass(smollm2) -> None:
+    # load_model lays out the gated-MLP and unembedding weights so that TL 3.x's W.T.contiguous() is no copy
+    if type(smollm2).__name__ != "HookedTransformer":
+        pytest.skip("the bridge runs the HF modules (no per-pass copy)")
+    mats = [getattr(b.mlp, n) for b in smollm2.blocks for n in ("W_gate", "W_in", "W_out")]
+    assert all(w.T.is_contiguous() for w in [*mats, smollm2.unembed.W_U])
+
+
 def test_tokenisation_matches_huggingface(smollm2, smollm2_hf) -> None:
     _, tok = smollm2_hf
     for text in TEXTS:

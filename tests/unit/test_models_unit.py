@@ -162,3 +162,39 @@ def test_stale_cache_entry_is_refused(tmp_path: object) -> None:
     torch.save({"format": -1, "sha256": "abc", "cfg_json": "{}", "state_dict": {}}, path)
     with pytest.raises(ValueError, match="stale"):
         models._load_cache(path, Path(str(tmp_path)), "abc")
+
+
+@needs_hooked
+def test_linear_layout_stops_the_weight_copies_and_changes_no_number() -> None:
+    """TL 3.x's GatedMLP and Unembed run ``F.linear(x, W.T.contiguous())``: laid out by ``linear_layout``,
+    ``W.T`` is the stored matrix itself (no copy), and logits, loss and every cached activation are bitwise
+    the same."""
+    from transformer_lens import HookedTransformer, HookedTransformerConfig
+
+    from mechgeom.models import linear_layout
+
+    cfg = HookedTransformerConfig(
+        n_layers=2, d_model=16, n_ctx=12, d_head=4, n_heads=4, d_mlp=48, d_vocab=50,
+        act_fn="silu", gated_mlp=True, normalization_type="RMS", seed=1,
+    )  # fmt: skip
+    model = HookedTransformer(cfg).eval()
+    tokens = torch.randint(0, 50, (2, 12), generator=torch.Generator().manual_seed(0))
+    weights = [(b.mlp, n) for b in model.blocks for n in ("W_gate", "W_in", "W_out")]
+    weights.append((model.unembed, "W_U"))
+    before = {(id(m), n): getattr(m, n).detach().clone() for m, n in weights}
+    # the layout TL gives: W.T is not contiguous, so each pass copies it
+    assert not any(getattr(m, n).T.is_contiguous() for m, n in weights)
+    with torch.no_grad():
+        logits, cache = model.run_with_cache(tokens)
+        loss = model(tokens, return_type="loss")
+        assert linear_layout(model) is model
+        logits2, cache2 = model.run_with_cache(tokens)
+        loss2 = model(tokens, return_type="loss")
+    for m, n in weights:
+        w = getattr(m, n)
+        assert isinstance(w, torch.nn.Parameter) and w.shape == before[(id(m), n)].shape
+        assert torch.equal(w, before[(id(m), n)])
+        assert w.T.contiguous().data_ptr() == w.data_ptr()  # what the forward pass asks for: no copy
+    assert torch.equal(logits, logits2) and torch.equal(loss, loss2)
+    assert set(cache.keys()) == set(cache2.keys())
+    assert all(torch.equal(cache[k], cache2[k]) for k in cache)
