@@ -109,7 +109,11 @@ def test_grouped_result_equals_each_text_alone_and_positions_mix_with_names() ->
         sink_statistics(model, tokens[b : b + 1, :n], sink_positions=[0, n - 1]).factor_sums
         for b, n in enumerate(lengths)
     )
-    torch.testing.assert_close(res.factor_sums, total)
+    # the counts exactly; the sums are float64 accumulations of float32 logs, whose last bits depend on how BLAS
+    # blocks a batch of 2 versus 1 text (CPU-dependent: bitwise equal on one machine, 7e-7 apart on another), so
+    # they agree to float32's precision, not float64's
+    assert torch.equal(res.factor_sums[..., 0], total[..., 0])
+    torch.testing.assert_close(res.factor_sums, total, rtol=1e-5, atol=1e-5)
 
 
 def test_encoder_tail_group_counts_keys_after_the_query() -> None:
