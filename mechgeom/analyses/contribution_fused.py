@@ -1,13 +1,21 @@
 """The blocked sweep of :class:`~mechgeom.analyses.contribution_geometry.LayerGeometry` with one fused pass per block.
 
 Same numbers as the plain-torch sweep (SPEC.md §A; the formulas are those of
-:mod:`mechgeom.analyses.contribution_geometry`, one function each there), arranged so that each metric
-tensor is written once: per block of queries ``q0:q1``, one batched matmul (BLAS) gives both raw products
-``z[i,h] M[h] . v[j,h]`` (the cosine's numerator) and ``(o[i] @ W_O[h].T) . v[j,h]`` (the head share's)
-into a scratch block that stays in cache, then the C kernel ``contribution_rows.c`` makes one pass per
-query row that reads ``alpha`` and those products and writes every requested metric, the four inter-head
-ones included (the inter-head value norm ``sqrt(alpha^T G_j alpha)`` as well). The rows of a block are
-shared out between ``torch.get_num_threads()`` threads (ctypes releases the GIL).
+:mod:`mechgeom.analyses.contribution_geometry`, one function each there), arranged so that every product is
+one batched matmul over heads (BLAS) and every element-wise step one pass of the C kernels of
+``contribution_rows.c``, each metric tensor written once:
+
+1. head-major products: ``z[i,h] M[h]`` and ``o[i] @ W_O[h].T`` (one ``bmm`` each, from the weight-only
+   :func:`mechgeom.maths.wo_gram_layouts`), then both output norms in one C pass;
+2. the value norms ``‖vt[j,h]‖`` and, for the inter-head value norm, the per-token Gram ``G_j`` (each
+   unordered head pair once): one ``bmm`` per chunk of tokens, reduced in C into the kernel's layout;
+3. per block of queries ``q0:q1``, one ``bmm`` for each raw product (``z[i,h] M[h] . v[j,h]``, the cosine's
+   numerator, and ``(o[i] @ W_O[h].T) . v[j,h]``, the head share's) into scratch blocks that stay in cache,
+   then one pass per query row that reads ``alpha`` and those products and writes every requested metric,
+   the four inter-head ones included (``sqrt(alpha^T G_j alpha)`` as well).
+
+Where the kernel is built with OpenMP on PyTorch's own runtime (:func:`mechgeom._native.openmp`), the C
+passes share their rows among ``torch.get_num_threads()`` threads of PyTorch's pool.
 
 It runs where :func:`available` says so: a CPU tensor in float32 or float64, a C compiler on the machine
 (:mod:`mechgeom._native`), and ``MECHGEOM_NATIVE`` not ``0``; everywhere else the plain-torch sweep runs.
@@ -16,15 +24,11 @@ It runs where :func:`available` says so: a CPU tensor in float32 or float64, a C
 from __future__ import annotations
 
 import ctypes
-import threading
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-import einops
 import torch
 
-from mechgeom import _native
+from mechgeom import _native, maths
 from mechgeom.typing import Tensor
 
 if TYPE_CHECKING:
@@ -32,7 +36,7 @@ if TYPE_CHECKING:
 
 __all__ = ["SLOTS", "available", "sweep_blocks"]
 
-#: The kernel's argument slots, in order (see ``contribution_rows.c``).
+#: The row kernel's argument slots, in order (see ``contribution_rows.c``).
 SLOTS = (
     "alpha",
     "d1",
@@ -54,37 +58,55 @@ SLOTS = (
     "value_weighted_normalized_inter",
     "contribution_inter",
 )
-_SYMBOLS = {torch.float32: "mg_contribution_rows_f32", torch.float64: "mg_contribution_rows_f64"}
-_POOL: dict[int, ThreadPoolExecutor] = {}
-_POOL_LOCK = threading.Lock()
-#: Work per block (query rows x keys x heads x texts) below which one thread does it. The kernel writes at about
-#: the bandwidth one core gets, and right after a matmul BLAS's own threads still hold the other cores: measured
-#: in situ on 2 cores, splitting rows did not pay at 1x256 or 1x1024 (blocks of 64 queries: 0.15-0.6M entries).
-_MIN_PARALLEL = 1 << 21
+_SUFFIX = {torch.float32: "f32", torch.float64: "f64"}
+_I64, _INT, _PTR = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
+_ARGTYPES = {
+    "mg_contribution_rows": [_I64] * 5 + [_INT] * 3 + [_PTR, _PTR],
+    "mg_value_gram": [_I64] * 7 + [_PTR] * 5 + [_INT],
+    "mg_out_norms": [_I64] * 4 + [_PTR] + [_I64] * 3 + [_PTR] * 4,
+}
+#: Work of one C call (entries it writes) below which it runs on one thread: a parallel region costs a few
+#: microseconds, which pays from about this size on (measured at 1x256 on SmolLM2, 2 cores).
+_MIN_PARALLEL = 1 << 15
+#: Bytes of the Gram's products per chunk of tokens (``[head, tokens, (H // 2 + 1) * d_head]``): in L2.
+GRAM_CHUNK_BYTES = 1 << 20
+#: Bytes of the two raw products of a block of queries (``2 x [batch * head, queries, keys]``) that the default
+#: block size keeps within: the row pass then reads them from L2.
+BLOCK_BYTES = 3 << 19
 
 
-def _kernel(dtype: torch.dtype) -> Callable[..., None] | None:
-    if dtype not in _SYMBOLS:
-        return None
+_TYPED: dict[int, ctypes.CDLL] = {}  # the library objects whose functions have their argtypes
+
+
+def _lib() -> ctypes.CDLL | None:
     lib = _native.load("mechgeom.analyses", "contribution_rows.c")
-    if lib is None:
-        return None
-    fn = getattr(lib, _SYMBOLS[dtype])
-    fn.restype = None
-    fn.argtypes = [ctypes.c_int64] * 7 + [ctypes.c_int] * 2 + [ctypes.c_void_p, ctypes.c_void_p]
-    return fn  # type: ignore[no-any-return]
+    if lib is not None and _TYPED.get(id(lib)) is not lib:
+        for name, argtypes in _ARGTYPES.items():
+            for suffix in _SUFFIX.values():
+                fn = getattr(lib, f"{name}_{suffix}")
+                fn.restype = None
+                fn.argtypes = argtypes
+        _TYPED[id(lib)] = lib
+    return lib
+
+
+def _fn(name: str, dtype: torch.dtype) -> Any:
+    lib = _lib()
+    assert lib is not None
+    return getattr(lib, f"{name}_{_SUFFIX[dtype]}")
 
 
 def available(pattern: Tensor) -> bool:
     """Whether the fused sweep can run on this layer (see the module docstring)."""
-    return pattern.device.type == "cpu" and _kernel(pattern.dtype) is not None
+    return pattern.device.type == "cpu" and pattern.dtype in _SUFFIX and _lib() is not None
 
 
-def _pool(n: int) -> ThreadPoolExecutor:
-    with _POOL_LOCK:
-        if n not in _POOL:
-            _POOL[n] = ThreadPoolExecutor(max_workers=n, thread_name_prefix="mechgeom-rows")
-        return _POOL[n]
+def _threads(work: int) -> int:
+    """Threads for a C call that writes ``work`` entries: PyTorch's count where the kernel shares its pool."""
+    lib = _lib()
+    if lib is None or work < _MIN_PARALLEL or not _native.openmp(lib):
+        return 1
+    return max(1, torch.get_num_threads())
 
 
 def _strides(t: Tensor, kind: str) -> tuple[int, int, int]:
@@ -94,93 +116,143 @@ def _strides(t: Tensor, kind: str) -> tuple[int, int, int]:
     return s["b"], s.get("h", 0), s.get("q", 0)
 
 
+def _head_major(x: Tensor, geo: LayerGeometry, name: str) -> Tensor:
+    """``[b pos h d] -> [h (b pos) d]``, contiguous, in ``geo``'s workspace."""
+    B, P, H, D = x.shape
+    out = geo.scratch(name, (H, B, P, D))
+    out.copy_(x.permute(2, 0, 1, 3))
+    return out.view(H, B * P, D)
+
+
+def _value_norms(
+    geo: LayerGeometry, vh: Tensor, layouts: maths.WOGramLayouts, gram: bool
+) -> tuple[Tensor, Tensor, Tensor | None]:
+    """``(‖vt[j,h]‖, 1/‖vt[j,h]‖ or 0, gram2)``, ``[b h k]`` each and ``gram2 [b h g k]`` (``G_j[h,h]`` on the
+    diagonal, ``2 G_j[h,g]`` above it; only when ``gram``): see ``mg_value_gram`` in ``contribution_rows.c``."""
+    B, K, H, D = geo.v.shape
+    dtype = geo.pattern.dtype
+    R = H // 2 + 1 if gram else 1  # r = 0 alone: M[h,:,h,:], the value norms
+    mc = layouts.circulant[..., : R * D]  # [h d (r e)]
+    vt_norm = geo.scratch("fused_vt_norm", (B, H, K))
+    inv_vt = geo.scratch("fused_inv_vt", (B, H, K))
+    gram2 = geo.scratch("fused_gram2", (B, H, H, K)) if gram else None  # read only at g >= h
+    es = geo.pattern.element_size()
+    chunk = max(1, GRAM_CHUNK_BYTES // (H * R * D * es))
+    reduce = _fn("mg_value_gram", dtype)
+    for t0 in range(0, B * K, chunk):
+        n = min(chunk, B * K - t0)
+        y = geo.scratch("gram_y", (H, n, R * D))
+        torch.bmm(vh[:, t0 : t0 + n], mc, out=y)  # v[j,h] M[h,:,(h+r)%H,:]
+        reduce(
+            H, R, D, K, B * K, t0, n,
+            y.data_ptr(), vh.data_ptr(), 0 if gram2 is None else gram2.data_ptr(),
+            vt_norm.data_ptr(), inv_vt.data_ptr(), _threads(H * n * R * D // 8),  # a dot product ~ 8 entries
+        )  # fmt: skip
+    return vt_norm, inv_vt, gram2
+
+
+def _out_norms(
+    geo: LayerGeometry, hu: Tensor | None, lu: Tensor | None
+) -> tuple[Tensor | None, Tensor | None]:
+    """``(1/‖o[i,h]‖ [b h q], 1/‖o[i]‖ [b q])``, NaN where a norm is 0; ``None`` where its product is."""
+    B, Q, H, D = geo.z.shape
+    z = geo.z if geo.z.stride(-1) == 1 else geo.z.contiguous()
+    inv_oh = geo.scratch("fused_inv_oh", (B, H, Q)) if hu is not None else None
+    inv_ol = geo.scratch("fused_inv_ol", (B, Q)) if lu is not None else None
+    if hu is None and lu is None:
+        return None, None
+    _fn("mg_out_norms", geo.pattern.dtype)(
+        B, H, Q, D, z.data_ptr(), z.stride(0), z.stride(1), z.stride(2),
+        *(0 if t is None else t.data_ptr() for t in (hu, lu, inv_oh, inv_ol)),
+    )  # fmt: skip
+    return inv_oh, inv_ol
+
+
 def sweep_blocks(geo: LayerGeometry, want: set[str], out: dict[str, Tensor], *, zeroed: bool) -> None:
     """Write the metrics ``want`` of ``geo`` into ``out`` (full ``[b h q k]`` / ``[b q k]`` tensors, unit stride
     along keys); ``zeroed``: ``out`` already holds 0 at every key after each block (see ``compute``)."""
-    from mechgeom.analyses.contribution_geometry import FUSED_BLOCK_SIZE, _inv_or_nan, _inv_or_zero
-
     alpha = geo.pattern if geo.pattern.stride(-1) == 1 else geo.pattern.contiguous()
     B, H, Q, _ = alpha.shape
     D = geo.v.shape[-1]
     dtype = alpha.dtype
-    kernel = _kernel(dtype)
-    assert kernel is not None
     need_d1 = bool(want & {"factor_cos", "contribution"})
     need_d2 = bool(want & {"head_share", "contribution_inter"})
     need_vn = need_d1 or bool(want & {"value_weighted", "value_weighted_normalized", "factor_norm_ratio"})
     need_vwi = bool(want & {"value_weighted_inter", "value_weighted_normalized_inter"})
+    need_oh = need_vn or need_d1
     need_ol = need_d2 or need_vwi
     mod = geo.modified  # [b h q] or None
-    step = geo.block_size or FUSED_BLOCK_SIZE
+    layouts = maths.wo_gram_layouts(geo.wo_gram_full)
 
-    ins: dict[str, tuple[Tensor, str]] = {}
-    if need_vwi:  # first, so that vt_norm is read off its diagonal
-        gram = einops.rearrange(geo.gram, "b k h g -> b h g k")
-        eye = torch.eye(H, dtype=torch.bool, device=alpha.device)[None, :, :, None]
-        ins["gram2"] = (torch.where(eye, gram, gram * 2).contiguous(), "bhqk")
-    if need_vn:
-        vt_norm = geo.vt_norm.contiguous()  # [b h k]
-        ins["vt_norm"] = (vt_norm, "bhk")
-        ins["inv_vt"] = (_inv_or_zero(vt_norm).contiguous(), "bhk")
-    if need_vn or need_d1:
-        inv_oh = _inv_or_nan(geo.head_out_norm)  # [b h q]
-        if mod is not None:  # no per-source terms for a modified head
-            inv_oh = inv_oh.masked_fill(mod, float("nan"))
-        ins["inv_oh"] = (inv_oh.contiguous(), "bhq")
-    if need_ol:
-        ins["inv_ol"] = (_inv_or_nan(geo.layer_out_norm).contiguous(), "bq")
-    if mod is not None:
-        ins["keep"] = ((~mod).to(dtype).contiguous(), "bhq")
-    ins["alpha"] = (alpha, "bhqk")
+    with torch.no_grad():
+        zh = _head_major(geo.z.to(dtype), geo, "fused_z") if need_oh else None  # [h (b q) d]
+        vh = _head_major(geo.v.to(dtype), geo, "fused_v")  # [h (b k) d]
+        # z[i,h] M[h] = o[i,h] @ W_O[h].T and o[i] @ W_O[h].T = z[i] @ columns[h], head-major [h (b q) d]
+        hu = torch.bmm(zh, layouts.diag) if zh is not None else None
+        lu = None
+        if need_ol:
+            z_flat = geo.z.to(dtype).reshape(B * Q, H * D)
+            lu = torch.bmm(z_flat.expand(H, B * Q, H * D), layouts.columns)
+        inv_oh, inv_ol = _out_norms(geo, hu, lu)
+        if inv_oh is not None and mod is not None:  # no per-source terms for a modified head
+            inv_oh.masked_fill_(mod, float("nan"))
 
-    kinds = [u for u, need in ((geo.head_u, need_d1), (geo.layer_u, need_d2)) if need]
-    n_kinds = len(kinds)
-    if n_kinds:  # [b h q kind d]: the left operands of one matmul per block, row 2i+kind
-        left = geo.scratch("fused_left", (B, H, Q, n_kinds, D))
-        for kind_i, u in enumerate(kinds):
-            left[:, :, :, kind_i] = einops.rearrange(u, "b q h d -> b h q d")
-        v_t = einops.rearrange(geo.v.to(dtype), "b k h d -> (b h) d k").contiguous()
-        bs = min(step, Q)
-        scratch = geo.scratch("fused_products", (B * H * n_kinds * bs * Q,))
+        ins: dict[str, tuple[Tensor, str]] = {"alpha": (alpha, "bhqk")}
+        if need_vn or need_vwi:
+            vt_norm, inv_vt, gram2 = _value_norms(geo, vh, layouts, need_vwi)
+            ins["vt_norm"], ins["inv_vt"] = (vt_norm, "bhk"), (inv_vt, "bhk")
+            if gram2 is not None:
+                ins["gram2"] = (gram2, "bhqk")
+        if inv_oh is not None:
+            ins["inv_oh"] = (inv_oh, "bhq")
+        if inv_ol is not None:
+            ins["inv_ol"] = (inv_ol, "bq")
+        if mod is not None:
+            ins["keep"] = ((~mod).to(dtype).contiguous(), "bhq")
+        _rows(geo, want, ins, out, hu if need_d1 else None, lu if need_d2 else None, vh, zeroed=zeroed)
 
+
+def _rows(
+    geo: LayerGeometry,
+    want: set[str],
+    ins: dict[str, tuple[Tensor, str]],
+    out: dict[str, Tensor],
+    hu: Tensor | None,
+    lu: Tensor | None,
+    vh: Tensor,
+    *,
+    zeroed: bool,
+) -> None:
+    """The blocks of queries: per block one ``bmm`` per raw product, then the row kernel over its rows."""
+    alpha = ins["alpha"][0]
+    B, H, Q, _ = alpha.shape
+    D = vh.shape[-1]
+    es = alpha.element_size()
     ptrs = (ctypes.c_void_p * len(SLOTS))()
     strides = (ctypes.c_int64 * (3 * len(SLOTS)))()
-    es = alpha.element_size()
 
-    def put(slot: str, t: Tensor, kind: str, offset_rows: int = 0, row_elems: int = 0) -> None:
+    def put(slot: str, ptr: int, st: tuple[int, int, int]) -> None:
         k = SLOTS.index(slot)
-        sb, sh, si = _strides(t, kind)
-        ptrs[k] = t.data_ptr() - offset_rows * row_elems * es
-        strides[3 * k : 3 * k + 3] = [sb, sh, si]
+        ptrs[k] = ptr
+        strides[3 * k : 3 * k + 3] = list(st)
 
     for name, (t, kind) in ins.items():
-        put(name, t, kind)
+        put(name, t.data_ptr(), _strides(t, kind))
     for name, t in out.items():
-        assert t.stride(-1) == 1 and t.dtype == dtype
-        put(name, t, "bqk" if name.endswith("_inter") else "bhqk")
-    n_threads = max(1, torch.get_num_threads())
+        assert t.stride(-1) == 1 and t.dtype == alpha.dtype
+        put(name, t.data_ptr(), _strides(t, "bqk" if name.endswith("_inter") else "bhqk"))
 
+    products = [(s, u) for s, u in (("d1", hu), ("d2", lu)) if u is not None]
+    step = geo.block_size or max(8, min(64, BLOCK_BYTES // max(1, len(products) * B * H * Q * es)))
+    v_t = vh.view(H * B, Q, D).transpose(1, 2)  # [(h b) d k], a view (keys = queries: the pattern is square)
+    rows = _fn("mg_contribution_rows", alpha.dtype)
     for q0 in range(0, Q, step):
         q1 = min(q0 + step, Q)
         n = q1 - q0
         k1 = q1 if geo.causal else Q
-        if n_kinds:
-            d = scratch[: B * H * n_kinds * n * k1].view(B * H, n_kinds * n, k1)
-            lhs = left[:, :, q0:q1].reshape(B * H, n_kinds * n, D)
-            torch.matmul(lhs, v_t[..., :k1], out=d)
-            d4 = d.view(B, H, n_kinds * n, k1)
-            # row i of the block is row (i - q0) * n_kinds + kind of d: strides (b, h, n_kinds * k1)
-            for kind_i, slot in enumerate(s for s, need in (("d1", need_d1), ("d2", need_d2)) if need):
-                k = SLOTS.index(slot)
-                ptrs[k] = d4.data_ptr() + (kind_i * k1 - q0 * n_kinds * k1) * es
-                strides[3 * k : 3 * k + 3] = [H * n_kinds * n * k1, n_kinds * n * k1, n_kinds * k1]
-        rows = B * n * k1 * H
-        t_use = min(n_threads, n) if rows >= _MIN_PARALLEL else 1
-        args = (B, H, Q, q0, q1)
-        flags = (int(geo.causal), int(zeroed))
-        if t_use == 1:
-            kernel(*args, 0, 1, *flags, ptrs, strides)
-        else:
-            jobs = [_pool(t_use).submit(kernel, *args, t, t_use, *flags, ptrs, strides) for t in range(t_use)]
-            for job in jobs:
-                job.result()
+        blocks = [geo.scratch(f"fused_{slot}", (H * B, n, k1)) for slot, _ in products]  # alive until used
+        for (slot, u), d in zip(products, blocks, strict=True):  # [(h b) n k1]; row i at (i - q0) * k1
+            torch.bmm(u.view(H * B, Q, D)[:, q0:q1], v_t[..., :k1], out=d)
+            put(slot, d.data_ptr() - q0 * k1 * es, (n * k1, B * n * k1, k1))
+        threads = _threads(B * n * H * k1)
+        rows(B, H, Q, q0, q1, int(geo.causal), int(zeroed), threads, ptrs, strides)

@@ -1,12 +1,17 @@
-/* The element-wise part of SPEC.md §A's metric family on a block of query rows, one pass per row.
+/* The element-wise parts of SPEC.md §A's metric family: the per-token value Gram from its products, the
+ * output norms, and every metric of a block of query rows in one pass per row.
  *
- * Built on first use by mechgeom/_native.py (`cc -O3 -shared`) and called through ctypes by
- * mechgeom/analyses/contribution_fused.py, which computes the two products below (one BLAS matmul per
- * block), checks every shape and gives the strides. The formulas are those of
- * mechgeom/analyses/contribution_geometry.py (SPEC.md §A), one function each there.
+ * Built on first use by mechgeom/_native.py (`cc -O3 -shared`, with `-fopenmp` where PyTorch's own OpenMP
+ * runtime, libgomp, is loaded: the `omp parallel` regions below then run on PyTorch's thread pool) and called
+ * through ctypes by mechgeom/analyses/contribution_fused.py, which computes the products (BLAS matmuls),
+ * checks every shape and gives the strides. The formulas are those of
+ * mechgeom/analyses/contribution_geometry.py (SPEC.md §A), one function each there. `n_threads` <= 1 runs
+ * a function on the calling thread; without OpenMP the pragmas are ignored and everything runs there.
  *
- * Arrays are indexed [b, h, i, j] (batch, head, query, key) with element strides st[3s..3s+2] = (b, h, i)
- * for slot s and unit stride along the last axis. Slots (NULL: not wanted / not given):
+ * The file includes itself twice, for float (`_f32`) and double (`_f64`).
+ *
+ * mg_contribution_rows: arrays are indexed [b, h, i, j] (batch, head, query, key) with element strides
+ * st[3s..3s+2] = (b, h, i) for slot s and unit stride along the last axis. Slots (NULL: not wanted / not given):
  *   inputs   0 alpha [b h q k]   1 d1 = (z[i,h] M[h]) . v[j,h] [b h q k]   2 d2 = (o[i] W_O[h]^T) . v[j,h]
  *            3 vt_norm ‖vt[j,h]‖ [b h k]   4 inv_vt [b h k] (1/‖vt‖, 0 where ‖vt‖ = 0)
  *            5 inv_oh 1/‖o[i,h]‖ [b h q] (NaN: zero norm or modified head)   6 inv_ol 1/‖o[i]‖ [b q] (NaN: 0)
@@ -19,113 +24,211 @@
  * Row i gets keys j < i + 1 (causal) or every key; a causal row is 0 from i + 1 up to q1 when `zeroed`
  * (the buffer is known to hold 0 after the block), else up to Q.
  */
+#ifndef MG_T
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
 
 #define N_SLOTS 19
-#define CHUNK 512 /* keys per pass: the temporary rows stay in L1/L2 */
-#define COPY(dst, src, n) memcpy((dst), (src), sizeof(*(dst)) * (n))
+#define CHUNK 512 /* keys per pass: the temporary rows stay in L1 */
+#define MG_CAT2(a, b) a##_##b
+#define MG_CAT(a, b) MG_CAT2(a, b)
+#define MG_NAME(name) MG_CAT(name, MG_SFX)
 
-#define KERNEL(NAME, T)                                                                        \
-void NAME(int64_t B, int64_t H, int64_t Q, int64_t q0, int64_t q1, int64_t row_start,               \
-          int64_t row_step, int causal, int zeroed, void **ptr, const int64_t *st)                  \
-{                                                                                                   \
-    T *p_[N_SLOTS];                                                                                 \
-    for (int s = 0; s < N_SLOTS; s++) p_[s] = (T *)ptr[s];                                           \
-    const T nan_ = (T)NAN, inv_h = (T)1 / (T)H;                                                     \
-    T tmp[6][CHUNK], att[CHUNK], ci[CHUNK], sq[CHUNK];                                              \
-    const int want_vwi = p_[16] || p_[17];                                                          \
-    for (int64_t b = 0; b < B; b++)                                                                 \
-    for (int64_t i = q0 + row_start; i < q1; i += row_step) {                                       \
-        const int64_t kend = causal ? i + 1 : Q, zend = causal ? (zeroed ? q1 : Q) : Q;             \
-        const T iol = p_[6] ? p_[6][b * st[18] + i * st[20]] : (T)0, s2 = iol * iol;                \
-        T *dst_i[4]; /* attention_inter, vw_inter, vwn_inter, c_inter rows */                       \
-        for (int s = 0; s < 4; s++)                                                                 \
-            dst_i[s] = p_[15 + s] ? p_[15 + s] + b * st[3 * (15 + s)] + i * st[3 * (15 + s) + 2] : 0; \
-        for (int64_t j0 = 0; j0 < kend; j0 += CHUNK) {                                              \
-            const int64_t n = kend - j0 < CHUNK ? kend - j0 : CHUNK;                                \
-            if (p_[15]) memset(att, 0, sizeof(T) * n);                                              \
-            if (p_[18]) memset(ci, 0, sizeof(T) * n);                                               \
-            if (want_vwi) memset(sq, 0, sizeof(T) * n);                                             \
-            for (int64_t h = 0; h < H; h++) {                                                       \
-                const int64_t bh = b * st[0] + h * st[1];                                           \
-                const T *a = p_[0] + bh + i * st[2] + j0;                                           \
-                const T *vn = p_[3] ? p_[3] + b * st[9] + h * st[10] + j0 : 0;                      \
-                const T ioh = p_[5] ? p_[5][b * st[15] + h * st[16] + i * st[17]] : (T)0;           \
-                const T kp = p_[7] ? p_[7][b * st[21] + h * st[22] + i * st[23]] : (T)1;            \
-                T *o[6]; /* the output rows, or temporary rows for outputs not wanted */            \
-                for (int s = 0; s < 6; s++)                                                         \
-                    o[s] = !p_[9 + s] ? tmp[s] : p_[9 + s] + b * st[3 * (9 + s)] +                 \
-                           h * st[3 * (9 + s) + 1] + i * st[3 * (9 + s) + 2] + j0;                  \
-                if (p_[9]) { /* alpha ‖vt‖; NaN for a modified head */                              \
-                    const T m = kp == (T)0 ? nan_ : (T)1;                                           \
-                    for (int64_t j = 0; j < n; j++) o[0][j] = a[j] * vn[j] * m;                    \
-                }                                                                                   \
-                if (p_[12]) /* ‖vt‖ / ‖o_h‖ */                                                      \
-                    for (int64_t j = 0; j < n; j++) o[3][j] = vn[j] * ioh;                         \
-                if (p_[10] || p_[11]) /* alpha ‖vt‖ / ‖o_h‖ */                                      \
-                    for (int64_t j = 0; j < n; j++) o[1][j] = a[j] * (vn[j] * ioh);                \
-                if (p_[13] || p_[11]) { /* cos = d1 / (‖o_h‖ ‖vt‖); c = (alpha ‖vt‖ / ‖o_h‖) cos */ \
-                    const T *d1 = p_[1] + b * st[3] + h * st[4] + i * st[5] + j0;                   \
-                    const T *ivt = p_[4] + b * st[12] + h * st[13] + j0;                            \
-                    for (int64_t j = 0; j < n; j++) o[4][j] = d1[j] * ioh * ivt[j];                \
-                    if (p_[11])                                                                     \
-                        for (int64_t j = 0; j < n; j++) o[2][j] = o[1][j] * o[4][j];           \
-                }                                                                                   \
-                if (p_[14] || p_[18]) { /* alpha d2 / ‖o‖², 0 for a modified head */                \
-                    const T *d2 = p_[2] + b * st[6] + h * st[7] + i * st[8] + j0;                   \
-                    const T f = s2 * kp;                                                            \
-                    for (int64_t j = 0; j < n; j++) o[5][j] = a[j] * (d2[j] * f);                  \
-                    if (p_[18])                                                                     \
-                        for (int64_t j = 0; j < n; j++) ci[j] += o[5][j];                          \
-                }                                                                                   \
-                if (p_[15])                                                                         \
-                    for (int64_t j = 0; j < n; j++) att[j] += a[j];                                 \
-                if (want_vwi && kp != (T)0) { /* alpha_h sum_{g >= h} (2) G_j[h,g] alpha_g */       \
-                    for (int64_t g = h; g < H;) { /* up to four terms per pass over the row */      \
-                        const T *ag[4], *gr[4];                                                     \
-                        int m = 0;                                                                  \
-                        for (; g < H && m < 4; g++) {                                               \
-                            if (p_[7] && p_[7][b * st[21] + g * st[22] + i * st[23]] == (T)0) continue; \
-                            ag[m] = p_[0] + b * st[0] + g * st[1] + i * st[2] + j0;                 \
-                            gr[m++] = p_[8] + b * st[24] + h * st[25] + g * st[26] + j0;            \
-                        }                                                                           \
-                        if (m == 4)                                                                 \
-                            for (int64_t j = 0; j < n; j++)                                         \
-                                sq[j] += a[j] * (gr[0][j] * ag[0][j] + gr[1][j] * ag[1][j] +        \
-                                                 gr[2][j] * ag[2][j] + gr[3][j] * ag[3][j]);        \
-                        else                                                                        \
-                            for (int r = 0; r < m; r++)                                             \
-                                for (int64_t j = 0; j < n; j++) sq[j] += a[j] * (gr[r][j] * ag[r][j]); \
-                    }                                                                               \
-                }                                                                                   \
-            }                                                                                       \
-            if (p_[15]) {                                                                           \
-                for (int64_t j = 0; j < n; j++) att[j] *= inv_h;                                    \
-                COPY(dst_i[0] + j0, att, n);                                                 \
-            }                                                                                       \
-            if (want_vwi) {                                                                         \
-                for (int64_t j = 0; j < n; j++) sq[j] = sqrt(sq[j] > (T)0 ? sq[j] : (T)0);          \
-                if (p_[16]) COPY(dst_i[1] + j0, sq, n);                                      \
-                if (p_[17]) {                                                                       \
-                    for (int64_t j = 0; j < n; j++) sq[j] *= iol;                                   \
-                    COPY(dst_i[2] + j0, sq, n);                                              \
-                }                                                                                   \
-            }                                                                                       \
-            if (p_[18]) COPY(dst_i[3] + j0, ci, n);                                          \
-        }                                                                                           \
-        for (int64_t j0 = kend; j0 < zend; j0 += CHUNK) { /* not sources: key > query */            \
-            const int64_t n = zend - j0 < CHUNK ? zend - j0 : CHUNK;                                \
-            for (int s = 9; s < 15; s++)                                                            \
-                if (p_[s])                                                                          \
-                    for (int64_t h = 0; h < H; h++)                                                 \
-                        memset(p_[s] + b * st[3 * s] + h * st[3 * s + 1] + i * st[3 * s + 2] + j0, 0, sizeof(T) * n); \
-            for (int s = 0; s < 4; s++)                                                             \
-                if (dst_i[s]) memset(dst_i[s] + j0, 0, sizeof(T) * n);                        \
-        }                                                                                           \
-    }                                                                                               \
+#define MG_T float
+#define MG_SFX f32
+#define MG_SQRT sqrtf
+#include "contribution_rows.c" /* this file, by name: _native compiles it from a folder of its own */
+#undef MG_T
+#undef MG_SFX
+#undef MG_SQRT
+
+#define MG_T double
+#define MG_SFX f64
+#define MG_SQRT sqrt
+#include "contribution_rows.c" /* this file, by name: _native compiles it from a folder of its own */
+
+#else /* the functions, for one MG_T */
+#define T MG_T
+
+/* Every metric of one row i of one text b: the keys j < kend (see above), then the keys up to zend set to 0. */
+static void MG_NAME(row)(int64_t b, int64_t i, int64_t H, int64_t kend, int64_t zend, T *const *p_,
+                         const int64_t *st)
+{
+    const T nan_ = (T)NAN, inv_h = (T)1 / (T)H;
+    const int want_vwi = p_[16] || p_[17];
+    T tmp[6][CHUNK], zero[CHUNK], att[CHUNK], ci[CHUNK], sq[CHUNK];
+    memset(zero, 0, sizeof(zero));
+    const T iol = p_[6] ? p_[6][b * st[18] + i * st[20]] : (T)0, s2 = iol * iol;
+    T *dst_i[4]; /* attention_inter, vw_inter, vwn_inter, c_inter rows */
+    for (int s = 0; s < 4; s++)
+        dst_i[s] = p_[15 + s] ? p_[15 + s] + b * st[3 * (15 + s)] + i * st[3 * (15 + s) + 2] : 0;
+    for (int64_t j0 = 0; j0 < kend; j0 += CHUNK) {
+        const int64_t n = kend - j0 < CHUNK ? kend - j0 : CHUNK;
+        memset(att, 0, sizeof(T) * n);
+        memset(ci, 0, sizeof(T) * n);
+        if (want_vwi) memset(sq, 0, sizeof(T) * n);
+        for (int64_t h = 0; h < H; h++) {
+            const T *restrict a = p_[0] + b * st[0] + h * st[1] + i * st[2] + j0;
+            const T *restrict vn = p_[3] ? p_[3] + b * st[9] + h * st[10] + j0 : zero;
+            const T *restrict d1 = p_[1] ? p_[1] + b * st[3] + h * st[4] + i * st[5] + j0 : zero;
+            const T *restrict ivt = p_[4] ? p_[4] + b * st[12] + h * st[13] + j0 : zero;
+            const T *restrict d2 = p_[2] ? p_[2] + b * st[6] + h * st[7] + i * st[8] + j0 : zero;
+            const T ioh = p_[5] ? p_[5][b * st[15] + h * st[16] + i * st[17]] : (T)0;
+            const T kp = p_[7] ? p_[7][b * st[21] + h * st[22] + i * st[23]] : (T)1;
+            const T m = kp == (T)0 ? nan_ : (T)1; /* value_weighted: NaN for a modified head */
+            const T f = s2 * kp;                  /* head share: 0 for a modified head */
+            T *restrict o_vw = tmp[0], *restrict o_vwn = tmp[1], *restrict o_c = tmp[2];
+            T *restrict o_r = tmp[3], *restrict o_cos = tmp[4], *restrict o_sh = tmp[5];
+#pragma omp simd /* the rows never overlap (13 pointers: too many for GCC's run-time alias checks) */
+            for (int64_t j = 0; j < n; j++) {
+                const T aj = a[j], vj = vn[j];
+                const T ratio = vj * ioh;            /* ‖vt‖ / ‖o_h‖ */
+                const T vwn = aj * ratio;            /* alpha ‖vt‖ / ‖o_h‖ */
+                const T cos_ = d1[j] * ioh * ivt[j]; /* d1 / (‖o_h‖ ‖vt‖) */
+                const T share = aj * (d2[j] * f);    /* alpha d2 / ‖o‖² */
+                o_vw[j] = aj * vj * m;               /* alpha ‖vt‖ */
+                o_r[j] = ratio;
+                o_vwn[j] = vwn;
+                o_cos[j] = cos_;
+                o_c[j] = vwn * cos_; /* c = (alpha ‖vt‖ / ‖o_h‖) cos */
+                o_sh[j] = share;
+                ci[j] += share;
+                att[j] += aj;
+            }
+            /* rows computed in L1, then copied out one at a time: writing the six outputs in the loop above
+             * (and reading alpha), all at the same offset within their tensors, stalls on 4K aliasing */
+            for (int s = 0; s < 6; s++)
+                if (p_[9 + s])
+                    memcpy(p_[9 + s] + b * st[3 * (9 + s)] + h * st[3 * (9 + s) + 1] + i * st[3 * (9 + s) + 2] + j0,
+                           tmp[s], sizeof(T) * n);
+            if (want_vwi && kp != (T)0) { /* alpha_h sum_{g >= h} (2) G_j[h,g] alpha_g */
+                for (int64_t g = h; g < H;) { /* up to four terms per pass over the row */
+                    const T *ag[4], *gr[4];
+                    int mm = 0;
+                    for (; g < H && mm < 4; g++) {
+                        if (p_[7] && p_[7][b * st[21] + g * st[22] + i * st[23]] == (T)0) continue;
+                        ag[mm] = p_[0] + b * st[0] + g * st[1] + i * st[2] + j0;
+                        gr[mm++] = p_[8] + b * st[24] + h * st[25] + g * st[26] + j0;
+                    }
+                    if (mm == 4)
+#pragma omp simd
+                        for (int64_t j = 0; j < n; j++)
+                            sq[j] += a[j] * (gr[0][j] * ag[0][j] + gr[1][j] * ag[1][j] + gr[2][j] * ag[2][j] +
+                                             gr[3][j] * ag[3][j]);
+                    else
+                        for (int r = 0; r < mm; r++)
+                            for (int64_t j = 0; j < n; j++) sq[j] += a[j] * (gr[r][j] * ag[r][j]);
+                }
+            }
+        }
+        if (p_[15]) {
+            for (int64_t j = 0; j < n; j++) att[j] *= inv_h;
+            memcpy(dst_i[0] + j0, att, sizeof(T) * n);
+        }
+        if (want_vwi) {
+            for (int64_t j = 0; j < n; j++) sq[j] = MG_SQRT(sq[j] > (T)0 ? sq[j] : (T)0);
+            if (p_[16]) memcpy(dst_i[1] + j0, sq, sizeof(T) * n);
+            if (p_[17]) {
+                for (int64_t j = 0; j < n; j++) sq[j] *= iol;
+                memcpy(dst_i[2] + j0, sq, sizeof(T) * n);
+            }
+        }
+        if (p_[18]) memcpy(dst_i[3] + j0, ci, sizeof(T) * n);
+    }
+    for (int64_t j0 = kend; j0 < zend; j0 += CHUNK) { /* not sources: key > query */
+        const int64_t n = zend - j0 < CHUNK ? zend - j0 : CHUNK;
+        for (int s = 9; s < 15; s++)
+            if (p_[s])
+                for (int64_t h = 0; h < H; h++)
+                    memset(p_[s] + b * st[3 * s] + h * st[3 * s + 1] + i * st[3 * s + 2] + j0, 0, sizeof(T) * n);
+        for (int s = 0; s < 4; s++)
+            if (dst_i[s]) memset(dst_i[s] + j0, 0, sizeof(T) * n);
+    }
 }
 
-KERNEL(mg_contribution_rows_f32, float)
-KERNEL(mg_contribution_rows_f64, double)
+/* The rows q0 .. q1 - 1 of every text, shared among n_threads threads (rows dealt out in turn: causal rows
+ * grow with i). */
+void MG_NAME(mg_contribution_rows)(int64_t B, int64_t H, int64_t Q, int64_t q0, int64_t q1, int causal,
+                                   int zeroed, int n_threads, void **ptr, const int64_t *st)
+{
+    T *p_[N_SLOTS];
+    for (int s = 0; s < N_SLOTS; s++) p_[s] = (T *)ptr[s];
+#pragma omp parallel for collapse(2) schedule(static, 1) num_threads(n_threads) if (n_threads > 1)
+    for (int64_t b = 0; b < B; b++)
+        for (int64_t i = q0; i < q1; i++)
+            MG_NAME(row)(b, i, H, causal ? i + 1 : Q, causal ? (zeroed ? q1 : Q) : Q, p_, st);
+}
+
+/* mg_value_gram: the per-token Gram matrix G_j[h,g] = v[j,h] M[h,:,g,:] v[j,g] (G symmetric) from the products
+ * y[h,t,r,:] = v[t,h] M[h,:,(h+r)%H,:] (r = 0 .. R-1) of a chunk of n tokens t0 .. t0+n-1 (batch and position
+ * flattened, t = b K + k): G_j[h,(h+r)%H] = y[h,t,r,:] . v[t,(h+r)%H]. vh is [H, B K, D] (head-major values).
+ * Writes vt_norm [B H K] = sqrt(max(G_j[h,h], 0)) and inv_vt [B H K] (1/vt_norm, 0 where it is 0), and, when
+ * gram2 [B H H K] is given (R = H // 2 + 1), G_j[h,h] on its diagonal and 2 G_j[h,g] at [min(h,g), max(h,g)].
+ * An even H meets r = H / 2 from both heads of a pair: only the smaller head writes it. */
+void MG_NAME(mg_value_gram)(int64_t H, int64_t R, int64_t D, int64_t K, int64_t BK, int64_t t0, int64_t n,
+                            const T *y, const T *vh, T *gram2, T *vt_norm, T *inv_vt, int n_threads)
+{
+#pragma omp parallel for collapse(2) schedule(static) num_threads(n_threads) if (n_threads > 1)
+    for (int64_t h = 0; h < H; h++)
+        for (int64_t t = 0; t < n; t++) {
+            const int64_t tok = t0 + t, b = tok / K, k = tok % K;
+            for (int64_t r = 0; r < R; r++) {
+                const int64_t g = (h + r) % H;
+                if (r > 0 && 2 * r == H && g < h) continue;
+                const T *restrict yy = y + ((h * n + t) * R + r) * D;
+                const T *restrict vv = vh + (g * BK + tok) * D;
+                T s = 0;
+#pragma omp simd reduction(+ : s)
+                for (int64_t d = 0; d < D; d++) s += yy[d] * vv[d];
+                if (r == 0) {
+                    const T nrm = MG_SQRT(s > (T)0 ? s : (T)0);
+                    vt_norm[(b * H + h) * K + k] = nrm;
+                    inv_vt[(b * H + h) * K + k] = nrm == (T)0 ? (T)0 : (T)1 / nrm;
+                    if (gram2) gram2[((b * H + h) * H + h) * K + k] = s;
+                } else if (gram2) {
+                    const int64_t lo = h < g ? h : g, hi = h < g ? g : h;
+                    gram2[((b * H + lo) * H + hi) * K + k] = 2 * s;
+                }
+            }
+        }
+}
+
+/* mg_out_norms: 1/‖o[i,h]‖ and 1/‖o[i]‖ from ‖o[i,h]‖² = z[i,h] . hu[h,i] (hu = z M[h]) and
+ * ‖o[i]‖² = sum_h z[i,h] . lu[h,i] (lu = o[i] W_O[h]^T); NaN where a norm is 0. z is [B, Q, H, D] with element
+ * strides (zb, zq, zh) and unit stride along D; hu and lu are [H, B Q, D]; either may be NULL (its output is then
+ * not written). inv_oh is [B H Q], inv_ol [B Q]. */
+void MG_NAME(mg_out_norms)(int64_t B, int64_t H, int64_t Q, int64_t D, const T *z, int64_t zb, int64_t zq,
+                           int64_t zh, const T *hu, const T *lu, T *inv_oh, T *inv_ol)
+{
+    const T nan_ = (T)NAN;
+    for (int64_t b = 0; b < B; b++)
+        for (int64_t i = 0; i < Q; i++) {
+            T layer = 0;
+            for (int64_t h = 0; h < H; h++) {
+                const T *restrict zz = z + b * zb + i * zq + h * zh;
+                const int64_t row = (h * B + b) * Q + i;
+                if (hu) {
+                    const T *restrict u = hu + row * D;
+                    T s = 0;
+#pragma omp simd reduction(+ : s)
+                    for (int64_t d = 0; d < D; d++) s += zz[d] * u[d];
+                    const T nrm = MG_SQRT(s > (T)0 ? s : (T)0);
+                    inv_oh[(b * H + h) * Q + i] = nrm == (T)0 ? nan_ : (T)1 / nrm;
+                }
+                if (lu) {
+                    const T *restrict u = lu + row * D;
+                    T s = 0;
+#pragma omp simd reduction(+ : s)
+                    for (int64_t d = 0; d < D; d++) s += zz[d] * u[d];
+                    layer += s;
+                }
+            }
+            if (lu) {
+                const T nrm = MG_SQRT(layer > (T)0 ? layer : (T)0);
+                inv_ol[b * Q + i] = nrm == (T)0 ? nan_ : (T)1 / nrm;
+            }
+        }
+}
+#undef T
+#endif

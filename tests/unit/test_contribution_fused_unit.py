@@ -73,14 +73,36 @@ def long_rows():
 
 @pytest.mark.parametrize("threads", [False, True])
 def test_long_rows_match_the_brute_force(kernel, long_rows, monkeypatch, threads: bool) -> None:
-    """Rows longer than a chunk, in blocks of 128, on one thread and with the rows of each block shared
-    between two threads."""
+    """Rows longer than a chunk, in the default blocks, on one thread and with the rows of each block (and the
+    value Gram's tokens) shared between two threads."""
     monkeypatch.setattr(fused, "_MIN_PARALLEL", 0 if threads else 1 << 62)
     monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
     (alpha, v, z, W), ref = long_rows
     intra, inter = LayerGeometry(alpha, v, z, W).compute()
     assert_all_metrics_match(intra, inter, ref, atol=1e-9)
     assert (intra["contribution"] < 0).any()  # not degenerate
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_two_threads_agree_with_the_plain_sweep_on_every_layout(kernel, monkeypatch, dtype) -> None:
+    """Every C pass on two threads (no size threshold): batches of texts, an even head count (the Gram's
+    pair at distance H/2 is met from both of its heads), causal and encoder with padding, modified heads."""
+    monkeypatch.setattr(fused, "_MIN_PARALLEL", 0)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    for causal, mod in itertools.product([True, False], [False, True]):
+        alpha, v, z, W = _layer(3, 4, 37, 6, 10, causal=causal, dtype=dtype, seed=21)
+        modified = torch.rand(3, 4, 37, generator=torch.Generator().manual_seed(22)) < 0.2 if mod else None
+        key_mask = None if causal else torch.arange(37)[None, :] < torch.tensor([[37], [30], [12]])
+
+        def make(alpha=alpha, v=v, z=z, W=W, modified=modified, causal=causal, key_mask=key_mask):
+            return LayerGeometry(alpha, v, z, W, modified=modified, causal=causal, key_mask=key_mask)
+
+        (fi, fo), (pi, po) = _both(monkeypatch, make)
+        tol = 1e-5 if dtype == torch.float32 else 1e-12
+        _assert_same(fi, pi, tol)
+        _assert_same(fo, po, tol)
+        if causal and not mod and dtype == torch.float64:
+            assert_all_metrics_match(fi, fo, brute_force(alpha, v, W), atol=1e-9)
 
 
 def test_every_case_agrees_with_the_plain_sweep(kernel, monkeypatch) -> None:
@@ -136,6 +158,30 @@ def test_kernel_is_built_once_through_a_rename_and_reused(kernel, fresh_load, mo
     _native.load.cache_clear()  # a new process: the library is found, not built again
     monkeypatch.setattr(_native, "_build", lambda *a: pytest.fail("built twice"))
     assert _native.load("mechgeom.analyses", "contribution_rows.c") is not None
+
+
+def test_the_kernel_runs_on_pytorchs_own_openmp_runtime(kernel) -> None:
+    """Where PyTorch runs on GNU OpenMP, the kernel is built with it and binds to PyTorch's libgomp: no second
+    runtime (and no second thread pool) is loaded."""
+    if not _native.torch_libgomp():
+        pytest.skip("PyTorch does not run on GNU OpenMP here: the kernel is built without OpenMP")
+    lib = _native.load("mechgeom.analyses", "contribution_rows.c")
+    assert lib is not None and _native.openmp(lib)
+    gomp = [p for p in _native._mapped_files() if Path(p).name == "libgomp.so.1"]
+    assert len(gomp) == 1, gomp
+
+
+def test_the_source_builds_under_another_name(kernel, tmp_path) -> None:
+    """The C file includes itself by name, so a copy under another name (as a package in a zip gives it)
+    builds only because the build names its copy after the file."""
+    source = tmp_path / "tmp1234-extracted.c"
+    source.write_bytes((Path(fused.__file__).parent / "contribution_rows.c").read_bytes())
+    cc = _native._compiler()
+    assert cc is not None
+    flags = _native.FLAG_SETS[-1]
+    assert _native._build(cc, source, tmp_path / "a.so", flags, "contribution_rows.c")
+    assert not _native._build(cc, source, tmp_path / "b.so", flags)  # under its own name the include fails
+    assert (tmp_path / "a.so").exists() and not (tmp_path / "b.so").exists()
 
 
 def test_without_a_compiler_or_when_turned_off_the_plain_sweep_runs(
