@@ -421,7 +421,8 @@ def layer_cost(batch: int, seq: int, n_heads: int, d_head: int, block: int = 64)
     """Bytes the full family writes per layer and the FLOPs it needs per layer (mechgeom's formulation).
 
     Written: 6 intra-head ``[b, h, q, q]`` outputs (attention is the pattern itself) and 4 inter-head
-    ``[b, q, q]``, float32, each entry once. FLOPs (2 per multiply-add): ``o[i] W_Oᵀ`` for every head
+    ``[b, q, q]``, float32, each entry of the causal blocks once (the keys after a block stay 0 in the recycled
+    buffers and are not written again). FLOPs (2 per multiply-add): ``o[i] W_Oᵀ`` for every head
     (``(h d)²`` per token), the value Gram in ``d_head`` (each of the ``h (h + 1) / 2`` head pairs once), the
     per-head quadratic form ``z M[h]``, the two ``q x k`` products in ``d_head`` per head (cosine and head
     shares) over the causal blocks, and ``2 h²`` per entry for the inter-head value norm. The modified-``z``
@@ -429,7 +430,7 @@ def layer_cost(batch: int, seq: int, n_heads: int, d_head: int, block: int = 64)
     """
     H, D, B, Q = n_heads, d_head, batch, seq
     seen = sum(min(block, Q - q0) * min(q0 + block, Q) for q0 in range(0, Q, block))  # (q, k) per block
-    written = (6 * H + 4) * B * Q * Q * 4
+    written = (6 * H + 4) * B * seen * 4
     flops = 2 * B * Q * (H * D) ** 2  # layer_u
     flops += 2 * B * Q * (H * (H + 1) // 2) * D * D  # gram, each unordered head pair once
     flops += 2 * B * Q * H * D * D  # head_u
