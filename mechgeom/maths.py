@@ -156,27 +156,25 @@ def wo_gram_circulant(
 class WOGramLayouts(NamedTuple):
     """The blocks of ``M = W_O W_Oᵀ`` (:func:`wo_gram_full`) laid out for batched matmuls over heads."""
 
-    #: ``[h d e]``: ``M[h,:,h,:]``, so that ``z[i,h] @ diag[h] = o[i,h] @ W_O[h].T``.
+    #: ``[h d e]``: ``M[h,:,h,:]``, so that ``z[i,h] @ diag[h] = o[i,h] @ W_O[h].T`` (a view of ``M``).
     diag: Tensor
-    #: ``[h (g d) e]``: ``M[g,:,h,:]`` stacked over ``g``, so that ``z[i] @ columns[h] = o[i] @ W_O[h].T``.
+    #: ``[h (g d) e]``: ``M[g,:,h,:]`` stacked over ``g``, so that ``z[i] @ columns[h] = o[i] @ W_O[h].T`` (a view).
     columns: Tensor
-    #: ``[h d (r e)]``: ``M[h,:,(h+r)%H,:]`` for ``r = 0 .. H // 2`` (see :func:`wo_gram_circulant`).
+    #: ``[h d (r e)]``: ``M[h,:,(h+r)%H,:]`` for ``r = 0 .. H // 2`` (:func:`wo_gram_circulant`'s, kept with it).
     circulant: Tensor
 
 
 def wo_gram_layouts(full: Float[Tensor, "head_index d_head head_index2 d_head2"]) -> WOGramLayouts:
-    """:class:`WOGramLayouts` of a :func:`wo_gram_full` result, contiguous; kept per result (64 at most).
+    """:class:`WOGramLayouts` of a contiguous :func:`wo_gram_full` result: two views of it and the circulant
+    blocks, so that nothing but :func:`wo_gram_circulant`'s tensor is kept beside ``M``.
 
     >>> lay = wo_gram_layouts(wo_gram_full(torch.randn(3, 2, 4)))
     >>> tuple(lay.diag.shape), tuple(lay.columns.shape), tuple(lay.circulant.shape)
     ((3, 2, 2), (3, 6, 2), (3, 2, 4))"""
-
-    def make(full: Tensor) -> WOGramLayouts:
-        diag = einops.rearrange(torch.diagonal(full, dim1=0, dim2=2), "d e h -> h d e").contiguous()
-        columns = einops.rearrange(full, "g d h e -> h (g d) e").contiguous()
-        return WOGramLayouts(diag, columns, _circulant(full))
-
-    return _derived("layouts", full, make)  # type: ignore[no-any-return]
+    H, D = full.shape[0], full.shape[1]
+    diag = einops.rearrange(torch.diagonal(full, dim1=0, dim2=2), "d e h -> h d e")
+    columns = full.reshape(H * D, H, D).permute(1, 0, 2)
+    return WOGramLayouts(diag, columns, wo_gram_circulant(full)[0])
 
 
 def wo_gram(W_O: WO, *, dtype: torch.dtype | None = None) -> Float[Tensor, "head_index d_head d_head2"]:
