@@ -9,10 +9,11 @@ one batched matmul over heads (BLAS) and every element-wise step one pass of the
    :func:`mechgeom.maths.wo_gram_layouts`), then both output norms in one C pass;
 2. the value norms ``‖vt[j,h]‖`` and, for the inter-head value norm, the per-token Gram ``G_j`` (each
    unordered head pair once): one ``bmm`` per chunk of tokens, reduced in C into the kernel's layout;
-3. per block of queries ``q0:q1``, one ``bmm`` for each raw product (``z[i,h] M[h] . v[j,h]``, the cosine's
-   numerator, and ``(o[i] @ W_O[h].T) . v[j,h]``, the head share's) into scratch blocks that stay in cache,
-   then one pass per query row that reads ``alpha`` and those products and writes every requested metric,
-   the four inter-head ones included (``sqrt(alpha^T G_j alpha)`` as well).
+3. per block of queries ``q0:q1``, one ``bmm`` for both raw products (``z[i,h] M[h] . v[j,h]``, the cosine's
+   numerator, and ``(o[i] @ W_O[h].T) . v[j,h]``, the head share's; their rows interleaved), then one pass
+   per query row that reads ``alpha`` and those products and writes every requested metric, the four
+   inter-head ones included (``sqrt(alpha^T G_j alpha)`` as well), each row computed in L1 and written
+   with streaming stores (see ``contribution_rows.c``).
 
 Where the kernel is built with OpenMP on PyTorch's own runtime (:func:`mechgeom._native.openmp`), the C
 passes share their rows among ``torch.get_num_threads()`` threads of PyTorch's pool.
@@ -154,7 +155,8 @@ def _out_norms(
 ) -> tuple[Tensor | None, Tensor | None]:
     """``(1/‖o[i,h]‖ [b h q], 1/‖o[i]‖ [b q])``, NaN where a norm is 0; ``None`` where its product is."""
     B, Q, H, D = geo.z.shape
-    z = geo.z if geo.z.stride(-1) == 1 else geo.z.contiguous()
+    z = geo.z.to(geo.pattern.dtype)
+    z = z if z.stride(-1) == 1 else z.contiguous()
     inv_oh = geo.scratch("fused_inv_oh", (B, H, Q)) if hu is not None else None
     inv_ol = geo.scratch("fused_inv_ol", (B, Q)) if lu is not None else None
     if hu is None and lu is None:
@@ -221,7 +223,7 @@ def _rows(
     *,
     zeroed: bool,
 ) -> None:
-    """The blocks of queries: per block one ``bmm`` per raw product, then the row kernel over its rows."""
+    """The blocks of queries: per block one ``bmm`` for both raw products, then the row kernel over its rows."""
     from mechgeom.analyses.contribution_geometry import FUSED_BLOCK_SIZE
 
     alpha = ins["alpha"][0]
@@ -248,9 +250,8 @@ def _rows(
         left = geo.scratch("fused_left", (H * B, Q, kinds, D))
         for k, u in enumerate(u for u in (hu, lu) if u is not None):
             left[:, :, k] = u.view(H * B, Q, D)
-        v_t = vh.view(H * B, Q, D).transpose(
-            1, 2
-        )  # [(h b) d k], a view (keys = queries: the pattern is square)
+        # [(h b) d k], a view (keys = queries: the pattern is square)
+        v_t = vh.view(H * B, Q, D).transpose(1, 2)
     step = geo.block_size or FUSED_BLOCK_SIZE
     rows = _fn("mg_contribution_rows", alpha.dtype)
     for q0 in range(0, Q, step):
