@@ -158,8 +158,9 @@ class WOGramLayouts(NamedTuple):
 
     #: ``[h d e]``: ``M[h,:,h,:]``, so that ``z[i,h] @ diag[h] = o[i,h] @ W_O[h].T`` (a view of ``M``).
     diag: Tensor
-    #: ``[h (g d) e]``: ``M[g,:,h,:]`` stacked over ``g``, so that ``z[i] @ columns[h] = o[i] @ W_O[h].T`` (a view).
-    columns: Tensor
+    #: ``[(g d) (h e)]``: ``M`` as one square matrix, so that ``z[i] @ square = o[i] @ W_O[h].T`` for every ``h`` at
+    #: once (the ``h``-th block of ``d_head`` columns; a view).
+    square: Tensor
     #: ``[h d (r e)]``: ``M[h,:,(h+r)%H,:]`` for ``r = 0 .. H // 2`` (:func:`wo_gram_circulant`'s, kept with it).
     circulant: Tensor
 
@@ -169,12 +170,11 @@ def wo_gram_layouts(full: Float[Tensor, "head_index d_head head_index2 d_head2"]
     blocks, so that nothing but :func:`wo_gram_circulant`'s tensor is kept beside ``M``.
 
     >>> lay = wo_gram_layouts(wo_gram_full(torch.randn(3, 2, 4)))
-    >>> tuple(lay.diag.shape), tuple(lay.columns.shape), tuple(lay.circulant.shape)
-    ((3, 2, 2), (3, 6, 2), (3, 2, 4))"""
+    >>> tuple(lay.diag.shape), tuple(lay.square.shape), tuple(lay.circulant.shape)
+    ((3, 2, 2), (6, 6), (3, 2, 4))"""
     H, D = full.shape[0], full.shape[1]
     diag = einops.rearrange(torch.diagonal(full, dim1=0, dim2=2), "d e h -> h d e")
-    columns = full.reshape(H * D, H, D).permute(1, 0, 2)
-    return WOGramLayouts(diag, columns, wo_gram_circulant(full)[0])
+    return WOGramLayouts(diag, full.view(H * D, H * D), wo_gram_circulant(full)[0])
 
 
 def wo_gram(W_O: WO, *, dtype: torch.dtype | None = None) -> Float[Tensor, "head_index d_head d_head2"]:

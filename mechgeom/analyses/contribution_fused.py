@@ -5,8 +5,9 @@ Same numbers as the plain-torch sweep (SPEC.md §A; the formulas are those of
 one batched matmul over heads (BLAS) and every element-wise step one pass of the C kernels of
 ``contribution_rows.c``, each metric tensor written once:
 
-1. head-major products: ``z[i,h] M[h]`` and ``o[i] @ W_O[h].T`` (one ``bmm`` each, from the weight-only
-   :func:`mechgeom.maths.wo_gram_layouts`), then both output norms in one C pass;
+1. the products ``z[i,h] M[h]`` (one ``bmm`` over heads) and ``o[i] @ W_O[h].T`` (one matmul ``z[i] @ M`` for
+   every head), from the weight-only :func:`mechgeom.maths.wo_gram_layouts`, then both output norms in one C
+   pass;
 2. the value norms ``‖vt[j,h]‖`` and, for the inter-head value norm, the per-token Gram ``G_j`` (each
    unordered head pair once): one ``bmm`` per chunk of tokens, reduced in C into the kernel's layout;
 3. per block of queries ``q0:q1``, one ``bmm`` for both raw products (``z[i,h] M[h] . v[j,h]``, the cosine's
@@ -153,7 +154,8 @@ def _value_norms(
 def _out_norms(
     geo: LayerGeometry, hu: Tensor | None, lu: Tensor | None
 ) -> tuple[Tensor | None, Tensor | None]:
-    """``(1/‖o[i,h]‖ [b h q], 1/‖o[i]‖ [b q])``, NaN where a norm is 0; ``None`` where its product is."""
+    """``(1/‖o[i,h]‖ [b h q], 1/‖o[i]‖ [b q])``, NaN where a norm is 0; ``None`` where its product is
+    (``hu`` head-major ``[h (b q) d]``, ``lu`` token-major ``[(b q) (h d)]``)."""
     B, Q, H, D = geo.z.shape
     z = geo.z.to(geo.pattern.dtype)
     z = z if z.stride(-1) == 1 else z.contiguous()
@@ -187,12 +189,10 @@ def sweep_blocks(geo: LayerGeometry, want: set[str], out: dict[str, Tensor], *, 
     with torch.no_grad():
         zh = _head_major(geo.z.to(dtype), geo, "fused_z") if need_oh else None  # [h (b q) d]
         vh = _head_major(geo.v.to(dtype), geo, "fused_v")  # [h (b k) d]
-        # z[i,h] M[h] = o[i,h] @ W_O[h].T and o[i] @ W_O[h].T = z[i] @ columns[h], head-major [h (b q) d]
+        # z[i,h] M[h] = o[i,h] @ W_O[h].T, head-major [h (b q) d]; o[i] @ W_O[h].T for every h at once as
+        # z[i] @ M, token-major [(b q) (h d)] (one matmul: at 1x256 on SmolLM2 0.66 ms against 0.80 ms batched)
         hu = torch.bmm(zh, layouts.diag) if zh is not None else None
-        lu = None
-        if need_ol:
-            z_flat = geo.z.to(dtype).reshape(B * Q, H * D)
-            lu = torch.bmm(z_flat.expand(H, B * Q, H * D), layouts.columns)
+        lu = torch.mm(geo.z.to(dtype).reshape(B * Q, H * D), layouts.square) if need_ol else None
         inv_oh, inv_ol = _out_norms(geo, hu, lu)
         if inv_oh is not None and mod is not None:  # no per-source terms for a modified head
             inv_oh.masked_fill_(mod, float("nan"))
@@ -248,8 +248,11 @@ def _rows(
     kinds = len(slots)
     if kinds:  # [(h b) q kind d]: row i of kind k at row i * kinds + k, so that one bmm per block gives both
         left = geo.scratch("fused_left", (H * B, Q, kinds, D))
-        for k, u in enumerate(u for u in (hu, lu) if u is not None):
-            left[:, :, k] = u.view(H * B, Q, D)
+        heads = left.view(H, B, Q, kinds, D)
+        if hu is not None:
+            heads[:, :, :, 0] = hu.view(H, B, Q, D)
+        if lu is not None:
+            heads[:, :, :, kinds - 1] = lu.view(B, Q, H, D).permute(2, 0, 1, 3)
         # [(h b) d k], a view (keys = queries: the pattern is square)
         v_t = vh.view(H * B, Q, D).transpose(1, 2)
     step = geo.block_size or FUSED_BLOCK_SIZE

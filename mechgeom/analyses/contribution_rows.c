@@ -73,20 +73,28 @@ static inline void line_f64(double *d, const double *s)
 #define MG_CAT(a, b) MG_CAT2(a, b)
 #define MG_NAME(name) MG_CAT(name, MG_SFX)
 
+/* 64 bytes of T as one value (GCC/Clang vector extensions: one AVX-512 register, two AVX or four SSE ones, or
+ * scalars, as the target has) */
+typedef float mg_vec_f32 __attribute__((vector_size(64)));
+typedef double mg_vec_f64 __attribute__((vector_size(64)));
+
 #define MG_T float
 #define MG_SFX f32
 #define MG_SQRT sqrtf
 #define MG_LINE line_f32
+#define MG_VEC mg_vec_f32
 #include "contribution_rows.c" /* this file, by name: _native compiles it from a folder of its own */
 #undef MG_T
 #undef MG_SFX
 #undef MG_SQRT
 #undef MG_LINE
+#undef MG_VEC
 
 #define MG_T double
 #define MG_SFX f64
 #define MG_SQRT sqrt
 #define MG_LINE line_f64
+#define MG_VEC mg_vec_f64
 #include "contribution_rows.c" /* this file, by name: _native compiles it from a folder of its own */
 
 #else /* the functions, for one MG_T */
@@ -118,11 +126,25 @@ static void MG_NAME(row)(int64_t b, int64_t i, int64_t H, int64_t kend, int64_t 
     T *dst_i[4]; /* attention_inter, vw_inter, vwn_inter, c_inter rows */
     for (int s = 0; s < 4; s++)
         dst_i[s] = p_[15 + s] ? p_[15 + s] + b * st[3 * (15 + s)] + i * st[3 * (15 + s) + 2] : 0;
+    /* the inter-head value norm's rows: alpha of the kept heads and their Gram entries G_j[x,y] (y >= x) */
+    const int64_t n_pairs = want_vwi ? H * (H + 1) / 2 : 1;
+    const T *ax[n_pairs], *ay[n_pairs], *gk[n_pairs];
+    int64_t np = 0;
+    if (want_vwi) {
+        int64_t kept[H > 0 ? H : 1], nk = 0;
+        for (int64_t h = 0; h < H; h++)
+            if (!p_[7] || p_[7][b * st[21] + h * st[22] + i * st[23]] != (T)0) kept[nk++] = h;
+        for (int64_t x = 0; x < nk; x++)
+            for (int64_t y = x; y < nk; y++, np++) {
+                ax[np] = p_[0] + b * st[0] + kept[x] * st[1] + i * st[2];
+                ay[np] = p_[0] + b * st[0] + kept[y] * st[1] + i * st[2];
+                gk[np] = p_[8] + b * st[24] + kept[x] * st[25] + kept[y] * st[26];
+            }
+    }
     for (int64_t j0 = 0; j0 < kend; j0 += CHUNK) {
         const int64_t n = kend - j0 < CHUNK ? kend - j0 : CHUNK;
         memset(att, 0, sizeof(T) * n);
         memset(ci, 0, sizeof(T) * n);
-        if (want_vwi) memset(sq, 0, sizeof(T) * n);
         for (int64_t h = 0; h < H; h++) {
             const T *restrict a = p_[0] + b * st[0] + h * st[1] + i * st[2] + j0;
             const T *restrict vn = p_[3] ? p_[3] + b * st[9] + h * st[10] + j0 : zero;
@@ -156,24 +178,24 @@ static void MG_NAME(row)(int64_t b, int64_t i, int64_t H, int64_t kend, int64_t 
                     MG_NAME(put_row)(p_[9 + s] + b * st[3 * (9 + s)] + h * st[3 * (9 + s) + 1] +
                                          i * st[3 * (9 + s) + 2] + j0,
                                      tmp[s], n);
-            if (want_vwi && kp != (T)0) { /* alpha_h sum_{g >= h} (2) G_j[h,g] alpha_g */
-                for (int64_t g = h; g < H;) { /* up to four terms per pass over the row */
-                    const T *ag[4], *gr[4];
-                    int mm = 0;
-                    for (; g < H && mm < 4; g++) {
-                        if (p_[7] && p_[7][b * st[21] + g * st[22] + i * st[23]] == (T)0) continue;
-                        ag[mm] = p_[0] + b * st[0] + g * st[1] + i * st[2] + j0;
-                        gr[mm++] = p_[8] + b * st[24] + h * st[25] + g * st[26] + j0;
-                    }
-                    if (mm == 4)
-#pragma omp simd
-                        for (int64_t j = 0; j < n; j++)
-                            sq[j] += a[j] * (gr[0][j] * ag[0][j] + gr[1][j] * ag[1][j] + gr[2][j] * ag[2][j] +
-                                             gr[3][j] * ag[3][j]);
-                    else
-                        for (int r = 0; r < mm; r++)
-                            for (int64_t j = 0; j < n; j++) sq[j] += a[j] * (gr[r][j] * ag[r][j]);
+        }
+        if (want_vwi) { /* sq[j] = sum_{x <= y} (2) G_j[x,y] alpha_x alpha_y, kept heads */
+            const int64_t lanes = (int64_t)(sizeof(MG_VEC) / sizeof(T));
+            int64_t j = 0;
+            for (; j + lanes <= n; j += lanes) { /* one vector of keys, its sum in a register over every pair */
+                MG_VEC acc = {0}, g, x, y;
+                for (int64_t pr = 0; pr < np; pr++) {
+                    memcpy(&g, gk[pr] + j0 + j, sizeof g);
+                    memcpy(&x, ax[pr] + j0 + j, sizeof x);
+                    memcpy(&y, ay[pr] + j0 + j, sizeof y);
+                    acc += g * (x * y);
                 }
+                memcpy(sq + j, &acc, sizeof acc);
+            }
+            for (; j < n; j++) {
+                T s = 0;
+                for (int64_t pr = 0; pr < np; pr++) s += gk[pr][j0 + j] * (ax[pr][j0 + j] * ay[pr][j0 + j]);
+                sq[j] = s;
             }
         }
         if (p_[15]) {
@@ -254,9 +276,9 @@ void MG_NAME(mg_value_gram)(int64_t H, int64_t R, int64_t D, int64_t K, int64_t 
 }
 
 /* mg_out_norms: 1/‖o[i,h]‖ and 1/‖o[i]‖ from ‖o[i,h]‖² = z[i,h] . hu[h,i] (hu = z M[h]) and
- * ‖o[i]‖² = sum_h z[i,h] . lu[h,i] (lu = o[i] W_O[h]^T); NaN where a norm is 0. z is [B, Q, H, D] with element
- * strides (zb, zq, zh) and unit stride along D; hu and lu are [H, B Q, D]; either may be NULL (its output is then
- * not written). inv_oh is [B H Q], inv_ol [B Q]. */
+ * ‖o[i]‖² = sum_h z[i,h] . lu[i,h] (lu = o[i] W_O[h]^T); NaN where a norm is 0. z is [B, Q, H, D] with element
+ * strides (zb, zq, zh) and unit stride along D; hu is [H, B Q, D] (head-major), lu [B Q, H, D] (token-major);
+ * either may be NULL (its output is then not written). inv_oh is [B H Q], inv_ol [B Q]. */
 void MG_NAME(mg_out_norms)(int64_t B, int64_t H, int64_t Q, int64_t D, const T *z, int64_t zb, int64_t zq,
                            int64_t zh, const T *hu, const T *lu, T *inv_oh, T *inv_ol)
 {
@@ -276,7 +298,7 @@ void MG_NAME(mg_out_norms)(int64_t B, int64_t H, int64_t Q, int64_t D, const T *
                     inv_oh[(b * H + h) * Q + i] = nrm == (T)0 ? nan_ : (T)1 / nrm;
                 }
                 if (lu) {
-                    const T *restrict u = lu + row * D;
+                    const T *restrict u = lu + ((b * Q + i) * H + h) * D;
                     T s = 0;
 #pragma omp simd reduction(+ : s)
                     for (int64_t d = 0; d < D; d++) s += zz[d] * u[d];
