@@ -172,7 +172,7 @@ def _out_norms(
 
 def sweep_blocks(geo: LayerGeometry, want: set[str], out: dict[str, Tensor], *, zeroed: bool) -> None:
     """Write the metrics ``want`` of ``geo`` into ``out`` (full ``[b h q k]`` / ``[b q k]`` tensors, unit stride
-    along keys); ``zeroed``: ``out`` already holds 0 at every key after each block (see ``compute``)."""
+    along keys); ``zeroed``: ``out`` already holds 0 at every key after its query (see ``compute``)."""
     alpha = geo.pattern if geo.pattern.stride(-1) == 1 else geo.pattern.contiguous()
     B, H, Q, _ = alpha.shape
     D = geo.v.shape[-1]

@@ -359,9 +359,10 @@ class LayerGeometry:
 
         ``out_intra`` / ``out_inter`` optionally give tensors (or views) of the right shape to write the
         metrics into, e.g. to reuse memory across layers; the returned tensors are then those.
-        ``zeroed=True`` promises that those tensors already hold 0 wherever a block of queries
-        ``q0:q1`` meets the keys after it (``key >= q1``), e.g. because they hold an earlier layer's
-        metrics of the same shape, untouched since; those entries are then not written again.
+        ``zeroed=True`` promises that those tensors already hold 0 at every key after its query
+        (``key > query``), e.g. because they hold an earlier layer's metrics of a causal model with the same
+        shape, untouched since; the fused sweep then does not write those entries again (the plain one
+        writes the keys after a query up to the end of its block).
         """
         keys = [m for m in intra if m != "attention"]
         keys += [_inter_key(m) for m in inter]
@@ -403,7 +404,7 @@ class LayerGeometry:
                 fresh.add(k)
             out[k] = alpha.new_empty(shape) if buf is None else buf
         if fused.available(alpha) and all(t.stride(-1) == 1 for t in out.values()):
-            if zeroed:  # the kernel writes keys after a block only where the buffer is not known to be 0
+            if zeroed:  # the kernel writes the keys after a query only where the buffer is not known to be 0
                 for k in fresh:
                     out[k].zero_()
             fused.sweep_blocks(self, want, out, zeroed=zeroed)

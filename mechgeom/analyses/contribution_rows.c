@@ -21,8 +21,8 @@
  *            13 factor_cos  14 head_share   [b h q k]
  *            15 attention_inter  16 value_weighted_inter  17 value_weighted_normalized_inter
  *            18 contribution_inter   [b q k]
- * Row i gets keys j < i + 1 (causal) or every key; a causal row is 0 from i + 1 up to q1 when `zeroed`
- * (the buffer is known to hold 0 after the block), else up to Q.
+ * Row i gets keys j < i + 1 (causal) or every key; a causal row is written 0 from i + 1 up to Q, or not at
+ * all there when `zeroed` (the buffer is known to hold 0 at every key after its query).
  */
 #ifndef MG_T
 #include <math.h>
@@ -212,14 +212,14 @@ static void MG_NAME(row)(int64_t b, int64_t i, int64_t H, int64_t kend, int64_t 
         }
         if (p_[18]) MG_NAME(put_row)(dst_i[3] + j0, ci, n);
     }
-    for (int64_t j0 = kend; j0 < zend; j0 += CHUNK) { /* not sources: key > query */
+    for (int64_t j0 = kend; j0 < zend; j0 += CHUNK) { /* not sources: key > query (streamed like the rest) */
         const int64_t n = zend - j0 < CHUNK ? zend - j0 : CHUNK;
         for (int s = 9; s < 15; s++)
             if (p_[s])
                 for (int64_t h = 0; h < H; h++)
-                    memset(p_[s] + b * st[3 * s] + h * st[3 * s + 1] + i * st[3 * s + 2] + j0, 0, sizeof(T) * n);
+                    MG_NAME(put_row)(p_[s] + b * st[3 * s] + h * st[3 * s + 1] + i * st[3 * s + 2] + j0, zero, n);
         for (int s = 0; s < 4; s++)
-            if (dst_i[s]) memset(dst_i[s] + j0, 0, sizeof(T) * n);
+            if (dst_i[s]) MG_NAME(put_row)(dst_i[s] + j0, zero, n);
     }
 #if MG_STREAM
     _mm_sfence(); /* this thread's streaming stores are visible before the row is done */
@@ -237,7 +237,7 @@ void MG_NAME(mg_contribution_rows)(int64_t B, int64_t H, int64_t Q, int64_t q0, 
 #pragma omp parallel for collapse(2) schedule(static, 1) num_threads(n_threads) if (n_threads > 1)
     for (int64_t b = 0; b < B; b++)
         for (int64_t i = q0; i < q1; i++)
-            MG_NAME(row)(b, i, H, causal ? i + 1 : Q, causal ? (zeroed ? q1 : Q) : Q, p_, st);
+            MG_NAME(row)(b, i, H, causal ? i + 1 : Q, causal ? (zeroed ? i + 1 : Q) : Q, p_, st);
 }
 
 /* mg_value_gram: the per-token Gram matrix G_j[h,g] = v[j,h] M[h,:,g,:] v[j,g] (G symmetric) from the products

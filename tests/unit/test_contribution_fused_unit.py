@@ -134,15 +134,37 @@ def test_every_case_agrees_with_the_plain_sweep(kernel, monkeypatch) -> None:
         _assert_same(fi, pi, tol)
         _assert_same(fo, po, tol)
 
-    # recycled buffers: a second layer written into the first one's tensors, entries after each block untouched
+    # recycled buffers: a second layer written into the first one's tensors, entries after each query untouched
     alpha, v, z, W = _layer(1, 3, 40, 5, 7, causal=True, dtype=torch.float64, seed=4)
     first_i, first_o = LayerGeometry(alpha, v, z, W, block_size=16).compute()
+    for t in [*first_i.values(), *first_o.values()]:  # a completed layer is 0 after each query
+        assert not t.triu(1).any()
     alpha2, v2, z2, W2 = _layer(1, 3, 40, 5, 7, causal=True, dtype=torch.float64, seed=5)
     bufs_i = {k: t for k, t in first_i.items() if k != "attention"}
+    for t in [*bufs_i.values(), *first_o.values()]:  # every entry that must be written holds garbage
+        t.masked_fill_(torch.ones(40, 40, dtype=torch.bool).tril(), float("nan"))
     got = LayerGeometry(alpha2, v2, z2, W2, block_size=16).compute(
         out_intra=bufs_i, out_inter=first_o, zeroed=True
     )
     assert_all_metrics_match(*got, brute_force(alpha2, v2, W2), atol=1e-9)
+    for t in [*bufs_i.values(), *first_o.values()]:
+        assert t.triu(1).eq(0).all()
+
+
+def test_a_completed_causal_layer_is_zero_after_each_query_on_both_sweeps(kernel, monkeypatch) -> None:
+    """What ``zeroed=True`` relies on: every metric tensor of a causal layer, NaN rows (a zero output) and
+    modified heads included, holds exactly 0 at each key after its query, whichever sweep wrote it."""
+    alpha, v, z, W = _layer(2, 3, 23, 5, 7, causal=True, dtype=torch.float32, seed=6)
+    z[:, 4] = 0  # NaN rows in the factors
+    modified = torch.rand(2, 3, 23, generator=torch.Generator().manual_seed(7)) < 0.3
+
+    def make() -> LayerGeometry:
+        return LayerGeometry(alpha, v, z, W, block_size=8, modified=modified)
+
+    (fi, fo), (pi, po) = _both(monkeypatch, make)
+    for t in [*fi.values(), *fo.values(), *pi.values(), *po.values()]:
+        assert t.triu(1).eq(0).all()
+    assert fi["factor_cos"][:, :, 4].isnan().any()
 
 
 def test_kernel_is_built_once_through_a_rename_and_reused(kernel, fresh_load, monkeypatch, tmp_path) -> None:
