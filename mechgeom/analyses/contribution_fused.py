@@ -117,10 +117,14 @@ def _strides(t: Tensor, kind: str) -> tuple[int, int, int]:
 
 
 def _head_major(x: Tensor, geo: LayerGeometry, name: str) -> Tensor:
-    """``[b pos h d] -> [h (b pos) d]``, contiguous, in ``geo``'s workspace."""
+    """``[b pos h d] -> [h (b pos) d]``, contiguous: a view where ``x`` is laid out so (TransformerLens's ``z`` of
+    one text), else a copy in ``geo``'s workspace."""
     B, P, H, D = x.shape
+    view = x.permute(2, 0, 1, 3)
+    if view.is_contiguous():
+        return view.view(H, B * P, D)
     out = geo.scratch(name, (H, B, P, D))
-    out.copy_(x.permute(2, 0, 1, 3))
+    out.copy_(view)
     return out.view(H, B * P, D)
 
 
