@@ -421,21 +421,23 @@ def layer_cost(batch: int, seq: int, n_heads: int, d_head: int, block: int = 64)
     """Bytes the full family writes per layer and the FLOPs it needs per layer (mechgeom's formulation).
 
     Written: 6 intra-head ``[b, h, q, q]`` outputs (attention is the pattern itself) and 4 inter-head
-    ``[b, q, q]``, float32, each entry of the causal blocks once (the keys after a block stay 0 in the recycled
-    buffers and are not written again). FLOPs (2 per multiply-add): ``o[i] W_Oᵀ`` for every head
+    ``[b, q, q]``, float32, each causal entry (key <= query) once (the keys after a query stay 0 in the
+    recycled buffers and are not written again). FLOPs (2 per multiply-add): ``o[i] W_Oᵀ`` for every head
     (``(h d)²`` per token), the value Gram in ``d_head`` (each of the ``h (h + 1) / 2`` head pairs once), the
     per-head quadratic form ``z M[h]``, the two ``q x k`` products in ``d_head`` per head (cosine and head
-    shares) over the causal blocks, and ``2 h²`` per entry for the inter-head value norm. The modified-``z``
-    check does not run here: no other hook is attached (``LayerCollector``).
+    shares) over the causal blocks (a matmul per block of ``block`` queries), and ``2 h²`` per entry for the
+    inter-head value norm. The modified-``z`` check does not run here: no other hook is attached
+    (``LayerCollector``).
     """
     H, D, B, Q = n_heads, d_head, batch, seq
     seen = sum(min(block, Q - q0) * min(q0 + block, Q) for q0 in range(0, Q, block))  # (q, k) per block
-    written = (6 * H + 4) * B * seen * 4
+    causal = Q * (Q + 1) // 2  # (q, k) with k <= q
+    written = (6 * H + 4) * B * causal * 4
     flops = 2 * B * Q * (H * D) ** 2  # layer_u
     flops += 2 * B * Q * (H * (H + 1) // 2) * D * D  # gram, each unordered head pair once
     flops += 2 * B * Q * H * D * D  # head_u
     flops += 2 * 2 * B * H * D * seen  # cos, shares
-    flops += 2 * H * H * B * seen  # inter-head value norm
+    flops += 2 * H * H * B * causal  # inter-head value norm, over the sources only
     return {"bytes": float(written), "flops": float(flops)}
 
 
