@@ -29,7 +29,8 @@ workers: caching every layer's pattern for (a) would need ``30 * heads * q * q``
 
 After the timings, a roofline estimate per shape: the bytes the metrics write per layer, the FLOPs they need
 per layer, this machine's measured write bandwidth and matmul throughput, and so the least time the
-metrics could take per layer, beside what (b) - (a0) measures per layer.
+metrics could take per layer, beside what (b) - (a0) measures per layer (paired round by round); and the
+forward's own FLOPs, the rate (a0) ran them at, and the family's FLOPs as a share of them.
 
 Time: median of ``--repeats`` runs after one warm-up run ((c): one run); in one process the rounds are
 interleaved (a, b, b', a, b, b', ...). Memory, always from a fresh worker process per kind (inside one
@@ -441,6 +442,22 @@ def layer_cost(batch: int, seq: int, n_heads: int, d_head: int, block: int = 64)
     return {"bytes": float(written), "flops": float(flops)}
 
 
+def forward_flops(batch: int, seq: int, cfg: Any) -> float:
+    """FLOPs of the model's forward pass with ``return_type=None`` (2 per multiply-add; no unembedding, which
+    TransformerLens skips then): per token and layer, the projections ``W_Q``, ``W_K``, ``W_V`` (one per KV
+    head), ``W_O`` and the MLP (three matrices when gated, else two), plus ``q kᵀ`` and ``alpha v`` over every
+    key (TransformerLens computes the whole square and masks it)."""
+    d, H, D, L = int(cfg.d_model), int(cfg.n_heads), int(cfg.d_head), int(cfg.n_layers)
+    kv = int(getattr(cfg, "n_key_value_heads", None) or H)
+    mlp = (
+        0
+        if getattr(cfg, "attn_only", False)
+        else (3 if getattr(cfg, "gated_mlp", False) else 2) * d * int(cfg.d_mlp)
+    )
+    per_token = 2 * (d * (H + 2 * kv) * D + H * D * d + mlp) + 2 * 2 * H * D * seq
+    return float(L * batch * seq * per_token)
+
+
 # --------------------------------------------------------------------------- driver
 
 
@@ -510,6 +527,10 @@ def main() -> None:
                 "" if n_run in (0, 30) else f" (extrapolated from {n_run}/30 layers)"
             )
         rounds = [b / a for a, b in zip(res["cache"]["times"], res["mechgeom"]["times"], strict=True)]
+        # (b) - (a0) paired round by round (a slow round slows both), for the roofline
+        extra = statistics.median(
+            b - p for p, b in zip(res["plain"]["times"], res["mechgeom"]["times"], strict=True)
+        )
         rows.append(
             {
                 "shape": f"{batch}×{seq}",
@@ -524,6 +545,7 @@ def main() -> None:
                 "c/b": tc / tb,
                 "d/b": td / tb,
                 "rounds": rounds,
+                "extra": extra,
                 **{f"mem_{k}": res[kind]["peak_mb"] for k, kind in
                    (("a0", "plain"), ("a", "cache"), ("b", "mechgeom"), ("r", "reuse"), ("c", "naive"), ("d", "peer"))},
             }
@@ -574,19 +596,25 @@ def main() -> None:
         "",
         f"Roofline per layer: this machine writes {lim['write_gbs']:.1f} GB/s (`fill_` of 512 MB) and multiplies "
         f"at {lim['gflops']:.0f} GFLOP/s (float32 `[1024,576] @ [576,576]`); the least time of the metrics is "
-        "the larger of bytes / bandwidth and FLOPs / throughput; measured is ((b) − (a0)) / layers.",
+        "the larger of bytes / bandwidth and FLOPs / throughput; measured is (b) − (a0) per layer, the median "
+        "over the rounds of their difference in each round. The forward's FLOPs (`return_type=None`: "
+        "projections, MLP, and `q kᵀ`, `alpha v` over the whole square, as TransformerLens computes them) and "
+        "the rate (a0) ran them at; the family's FLOPs over all layers as a share of the forward's: at the "
+        "forward's own rate, and with nothing else to do, b/a would be 1 + that share.",
         "",
         "| batch × tokens | written per layer | FLOPs per layer | bound: write | bound: compute "
-        "| measured per layer | measured / bound |",
-        "|---|---|---|---|---|---|---|",
+        "| measured per layer | measured / bound | forward: FLOPs, GFLOP/s in (a0) | family / forward FLOPs |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         c = layer_cost(r["batch"], r["seq"], n_heads, d_head)
         t_w, t_f = c["bytes"] / lim["write_gbs"] / 1e9, c["flops"] / lim["gflops"] / 1e9
-        meas = (r["b"] - r["a0"]) / n_layers
+        meas = r["extra"] / n_layers
+        fwd = forward_flops(r["batch"], r["seq"], cfg) if cfg is not None else math.nan
         lines.append(
             f"| {r['shape']} | {c['bytes'] / 1e6:.0f} MB | {c['flops'] / 1e9:.2f} G | {t_w * 1e3:.1f} ms "
-            f"| {t_f * 1e3:.1f} ms | {meas * 1e3:.1f} ms | {meas / max(t_w, t_f):.1f}× |"
+            f"| {t_f * 1e3:.1f} ms | {meas * 1e3:.1f} ms | {meas / max(t_w, t_f):.1f}× "
+            f"| {fwd / 1e9:.0f} G, {fwd / r['a0'] / 1e9:.0f} | {n_layers * c['flops'] / fwd:.0%} |"
         )
     lines += [
         "",
