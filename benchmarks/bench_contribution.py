@@ -418,7 +418,7 @@ def machine_limits(threads: int) -> dict[str, float]:
     return {"write_gbs": max(bw), "gflops": max(fl)}
 
 
-def layer_cost(batch: int, seq: int, n_heads: int, d_head: int, block: int = 64) -> dict[str, float]:
+def layer_cost(batch: int, seq: int, n_heads: int, d_head: int, block: int | None = None) -> dict[str, float]:
     """Bytes the full family writes per layer and the FLOPs it needs per layer (mechgeom's formulation).
 
     Written: 6 intra-head ``[b, h, q, q]`` outputs (attention is the pattern itself) and 4 inter-head
@@ -426,11 +426,14 @@ def layer_cost(batch: int, seq: int, n_heads: int, d_head: int, block: int = 64)
     recycled buffers and are not written again). FLOPs (2 per multiply-add): ``o[i] W_Oᵀ`` for every head
     (``(h d)²`` per token), the value Gram in ``d_head`` (each of the ``h (h + 1) / 2`` head pairs once), the
     per-head quadratic form ``z M[h]``, the two ``q x k`` products in ``d_head`` per head (cosine and head
-    shares) over the causal blocks (a matmul per block of ``block`` queries), and ``2 h²`` per entry for the
-    inter-head value norm. The modified-``z`` check does not run here: no other hook is attached
-    (``LayerCollector``).
+    shares) over the causal blocks (a matmul per block of ``block`` queries, by default the fused sweep's
+    ``FUSED_BLOCK_SIZE``), and ``2 h²`` per entry for the inter-head value norm. The modified-``z`` check
+    does not run here: no other hook is attached (``LayerCollector``).
     """
+    from mechgeom.analyses.contribution_geometry import FUSED_BLOCK_SIZE
+
     H, D, B, Q = n_heads, d_head, batch, seq
+    block = block or FUSED_BLOCK_SIZE
     seen = sum(min(block, Q - q0) * min(q0 + block, Q) for q0 in range(0, Q, block))  # (q, k) per block
     causal = Q * (Q + 1) // 2  # (q, k) with k <= q
     written = (6 * H + 4) * B * causal * 4
