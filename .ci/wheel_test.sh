@@ -59,7 +59,7 @@ for corpus in ("wikitext2", "gsm8k", "c4"):
     tokens = load_corpus(corpus, model, n_texts=2, seq_len=32, seed=0)
     assert tuple(tokens.shape) == (2, 32), (corpus, tokens.shape)
 import torch
-from mechgeom.analyses import contribution_fused
+from mechgeom._kernels import fused as contribution_fused
 
 # the wheel carries the fused kernel's C source, and it builds from the installed package (this machine has cc)
 assert contribution_fused.available(torch.zeros(1)), "the installed wheel's contribution_rows.c did not build"

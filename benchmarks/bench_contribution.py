@@ -116,8 +116,8 @@ def run_plain(model: Any, tokens: Any) -> None:
 
 
 def run_mechgeom(model: Any, tokens: Any, reuse_buffers: bool = False) -> int:
-    from mechgeom.analyses.contribution import ContributionCollector
-    from mechgeom.hooks import run_hooks
+    from mechgeom.analyses.contribution.weights import ContributionCollector
+    from mechgeom.hooks.readers import run_hooks
 
     seen: list[int] = []
 
@@ -430,7 +430,7 @@ def layer_cost(batch: int, seq: int, n_heads: int, d_head: int, block: int | Non
     ``FUSED_BLOCK_SIZE``), and ``2 h²`` per entry for the inter-head value norm. The modified-``z`` check
     does not run here: no other hook is attached (``LayerCollector``).
     """
-    from mechgeom.analyses.contribution_geometry import FUSED_BLOCK_SIZE
+    from mechgeom.analyses.contribution.geometry import FUSED_BLOCK_SIZE
 
     H, D, B, Q = n_heads, d_head, batch, seq
     block = block or FUSED_BLOCK_SIZE

@@ -35,13 +35,10 @@ def main() -> None:
         torch.set_num_threads(args.threads)
 
     from mechgeom import load_model
-    from mechgeom.analyses.faithfulness import (
-        FAITHFULNESS_METRICS,
-        _target_logprob,
-        masking_hooks,
-        source_rankings,
-    )
+    from mechgeom.analyses.faithfulness import FAITHFULNESS_METRICS, source_rankings
+    from mechgeom.analyses.scoring import target_logprob
     from mechgeom.data import load_corpus
+    from mechgeom.hooks import masking_hooks
 
     model = load_model(args.model)
     tokens = load_corpus("wikitext2", model, n_texts=args.batch, seq_len=args.seq_len, seed=0)
@@ -61,12 +58,12 @@ def main() -> None:
         ),
         "masked sufficiency": masking_hooks(model, ranking=ranking, rate=args.rate, mode="sufficiency"),
     }
-    _target_logprob(model, tokens, targets, [])  # warm-up
+    target_logprob(model, tokens, targets, [])  # warm-up
     times: dict[str, list[float]] = {k: [] for k in kinds}
     for _ in range(args.reps):
         for kind, hooks in kinds.items():
             t0 = time.perf_counter()
-            _target_logprob(model, tokens, targets, hooks)
+            target_logprob(model, tokens, targets, hooks)
             times[kind].append(time.perf_counter() - t0)
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 

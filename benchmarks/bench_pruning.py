@@ -38,8 +38,8 @@ def main() -> None:
         torch.set_num_threads(args.threads)
 
     from mechgeom import load_model
-    from mechgeom.analyses.evaluation import text_nll
-    from mechgeom.analyses.pruning import single_head_sweep
+    from mechgeom.analyses.heads.pruning import single_head_sweep
+    from mechgeom.analyses.scoring import text_nll
     from mechgeom.data import load_corpus
 
     model = load_model(args.model)

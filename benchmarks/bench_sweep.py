@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from mechgeom._io import atomic_write
-from mechgeom.analyses.faithfulness import perplexity_curves
+from mechgeom.analyses.faithfulness.curves import perplexity_curves
 from mechgeom.data import load_corpus
 from mechgeom.models import load_model
 from mechgeom.sweep import RayExecutor

@@ -6,41 +6,28 @@ every hook factory are exported here; the layers are ``mechgeom.hooks`` (readers
 analysis modules, ``mechgeom.viz`` (views and figures) and ``mechgeom.report`` (see ``docs/architecture.md``).
 """
 
-from mechgeom.analyses.contribution import (
+from mechgeom.analyses.contribution.overview import contribution_overview
+from mechgeom.analyses.contribution.weights import (
     ContributionCollector,
     ContributionResult,
     contribution_weights,
     contribution_weights_from_cache,
 )
-from mechgeom.analyses.contribution_overview import contribution_overview
-from mechgeom.analyses.embedding_faithfulness import embedding_curves
-from mechgeom.analyses.encoder_sinks import encoder_sink_statistics
-from mechgeom.analyses.evaluation import encode_choices, perplexity, score_choices, text_nll, token_nll
-from mechgeom.analyses.faithfulness import (
-    faithfulness_summary,
-    perplexity_curves,
-    source_rankings,
-    task_accuracy_curves,
+from mechgeom.analyses.faithfulness import faithfulness_summary, source_rankings
+from mechgeom.analyses.faithfulness.curves import perplexity_curves, task_accuracy_curves
+from mechgeom.analyses.faithfulness.embedding import embedding_curves
+from mechgeom.analyses.heads import HeadStatsCollector, head_orders, head_stats, head_stats_from_cache
+from mechgeom.analyses.heads.pruning import retention_curves, single_head_sweep, task_accuracy
+from mechgeom.analyses.heads.taxonomy import TaxonomyCollector, classify_heads, classify_heads_from_cache
+from mechgeom.analyses.scoring import encode_choices, perplexity, score_choices, text_nll, token_nll
+from mechgeom.analyses.selection.collector import (
+    SelectionCollector,
+    token_selection,
+    token_selection_from_cache,
 )
-from mechgeom.analyses.pruning import (
-    HeadStatsCollector,
-    head_orders,
-    head_stats,
-    head_stats_from_cache,
-    retention_curves,
-    single_head_sweep,
-    task_accuracy,
-)
-from mechgeom.analyses.selection import SelectionCollector, token_selection, token_selection_from_cache
-from mechgeom.analyses.sinks import (
-    SinkCollector,
-    convexity_by_intervention,
-    convexity_check,
-    sink_ablation,
-    sink_statistics,
-    sink_statistics_from_cache,
-)
-from mechgeom.analyses.taxonomy import TaxonomyCollector, classify_heads, classify_heads_from_cache
+from mechgeom.analyses.sinks import convexity_by_intervention, convexity_check, sink_ablation
+from mechgeom.analyses.sinks.encoder import encoder_sink_statistics
+from mechgeom.analyses.sinks.statistics import SinkCollector, sink_statistics, sink_statistics_from_cache
 from mechgeom.encoder_models import sentence_embedding
 from mechgeom.hooks import (
     LayerCollector,

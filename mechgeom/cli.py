@@ -200,8 +200,8 @@ def _cmd_report(args: argparse.Namespace) -> int:
 
 
 def _cmd_contributions(args: argparse.Namespace) -> int:
-    from mechgeom.analyses.contribution import contribution_weights
-    from mechgeom.hooks import resolve_heads, resolve_layers
+    from mechgeom.analyses.contribution.weights import contribution_weights
+    from mechgeom.hooks.validation import resolve_heads, resolve_layers
     from mechgeom.models import load_model
 
     text = args.text if args.text is not None else args.file.read_text(encoding="utf-8")

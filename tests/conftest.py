@@ -126,12 +126,12 @@ def tiny_model() -> HookedTransformer:
 def sweep_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """Run a test on both sweeps of ``LayerGeometry``: the fused C kernel (skipped where it cannot be built,
     a failure in CI, which has a compiler) and the plain-torch one."""
-    from mechgeom.analyses import contribution_fused
+    from mechgeom._kernels import fused as contribution_fused
 
     if request.param == "fused":
         if not contribution_fused.available(torch.zeros(1)):
             if os.environ.get("CI"):
-                pytest.fail("the fused kernel (mechgeom/analyses/contribution_rows.c) did not build in CI")
+                pytest.fail("the fused kernel (mechgeom/_kernels/contribution_rows.c) did not build in CI")
             pytest.skip("no C compiler: the fused kernel is not built")
     else:
         monkeypatch.setattr(contribution_fused, "available", lambda pattern: False)

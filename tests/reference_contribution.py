@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from mechgeom.analyses.contribution import INTER_METRICS, INTRA_METRICS
+from mechgeom.analyses.contribution.weights import INTER_METRICS, INTRA_METRICS
 
 NAN = float("nan")
 

@@ -10,7 +10,7 @@ from typing import Any
 import pandas as pd
 import torch
 
-from mechgeom.analyses.evaluation import text_nll
+from mechgeom.analyses.scoring import text_nll
 from mechgeom.sweep import Item
 
 

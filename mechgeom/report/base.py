@@ -138,9 +138,9 @@ class StageContext:
         the other (a stage reused from disk asks for nothing)."""
         key = (n_texts, tuple(sink_positions))
         if key not in self._passes:
-            from mechgeom.analyses.sinks import SinkCollector
-            from mechgeom.analyses.taxonomy import TaxonomyCollector
-            from mechgeom.hooks import collect
+            from mechgeom.analyses.heads.taxonomy import TaxonomyCollector
+            from mechgeom.analyses.sinks.statistics import SinkCollector
+            from mechgeom.hooks.readers import collect
 
             m = self.model
             cols = [
@@ -154,7 +154,7 @@ class StageContext:
         return self._passes[key]
 
     def str_tokens(self, row: int = 0) -> list[str]:
-        from mechgeom.hooks import token_strings
+        from mechgeom.hooks.validation import token_strings
 
         toks = self.tokens[row]
         strings = token_strings(self.model, toks[None])

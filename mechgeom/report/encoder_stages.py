@@ -33,8 +33,8 @@ def _contribution_params(s: ReportSettings) -> dict[str, Any]:
 
 def _run_contributions(ctx: StageContext, p: dict[str, Any]) -> StageOutput:
     from mechgeom import viz
-    from mechgeom.analyses.contribution import contribution_weights
-    from mechgeom.analyses.contribution_stats import SUMMARY_METRICS
+    from mechgeom.analyses.contribution.stats import SUMMARY_METRICS
+    from mechgeom.analyses.contribution.weights import contribution_weights
 
     model = ctx.model
     res = contribution_weights(
@@ -78,8 +78,8 @@ def _sinks_params(s: ReportSettings) -> dict[str, Any]:
 
 
 def _run_sinks(ctx: StageContext, p: dict[str, Any]) -> StageOutput:
-    from mechgeom.analyses.sinks import sink_statistics
-    from mechgeom.viz import plot_rate_vs_ratio
+    from mechgeom.analyses.sinks.statistics import sink_statistics
+    from mechgeom.viz.figures import plot_rate_vs_ratio
 
     stats = sink_statistics(
         ctx.model, ctx.tokens[: p["n_texts"]], sink_positions=p["sink_positions"], verbose=ctx.verbose
@@ -102,7 +102,7 @@ def _run_sinks(ctx: StageContext, p: dict[str, Any]) -> StageOutput:
 
 
 def _embedding_params(s: ReportSettings) -> dict[str, Any]:
-    from mechgeom.analyses.faithfulness import FAITHFULNESS_METRICS
+    from mechgeom.analyses.faithfulness.curves import FAITHFULNESS_METRICS
 
     return {
         "n_texts": min(s.n_texts, 2 if s.quick else 8),
@@ -115,8 +115,8 @@ def _embedding_params(s: ReportSettings) -> dict[str, Any]:
 
 
 def _run_embedding(ctx: StageContext, p: dict[str, Any]) -> StageOutput:
-    from mechgeom.analyses.embedding_faithfulness import embedding_curves
-    from mechgeom.viz import plot_curves
+    from mechgeom.analyses.faithfulness.embedding import embedding_curves
+    from mechgeom.viz.figures import plot_curves
 
     res = embedding_curves(
         ctx.model,
@@ -156,7 +156,7 @@ ENCODER_STAGES: tuple[Stage, ...] = (
     Stage(
         "sinks",
         "[CLS] and [SEP] as sinks",
-        "mechgeom.analyses.sinks",
+        "mechgeom.analyses.sinks.statistics",
         _sinks_params,
         _run_sinks,
         "Attention mass, value-norm ratio and anti-alignment of [CLS] and [SEP], resolved in each window.",
@@ -164,7 +164,7 @@ ENCODER_STAGES: tuple[Stage, ...] = (
     Stage(
         "embedding_faithfulness",
         "Faithfulness of the sentence embedding",
-        "mechgeom.analyses.embedding_faithfulness",
+        "mechgeom.analyses.faithfulness.embedding",
         _embedding_params,
         _run_embedding,
         "Remove each query's top- or bottom-ranked sources by each metric, without renormalising, at every "

@@ -27,7 +27,7 @@ def _contribution_params(s: ReportSettings) -> dict[str, Any]:
 
 def _run_contributions(ctx: StageContext, p: dict[str, Any]) -> StageOutput:
     from mechgeom import viz
-    from mechgeom.analyses.contribution_overview import contribution_overview
+    from mechgeom.analyses.contribution.overview import contribution_overview
 
     overview = contribution_overview(
         ctx.model, ctx.tokens[: p["n_texts"]], batch_size=p["batch_size"], verbose=ctx.verbose
@@ -72,7 +72,7 @@ def _run_contributions(ctx: StageContext, p: dict[str, Any]) -> StageOutput:
 
 
 def _faithfulness_params(s: ReportSettings) -> dict[str, Any]:
-    from mechgeom.analyses.faithfulness import FAITHFULNESS_METRICS, MODES
+    from mechgeom.analyses.faithfulness.curves import FAITHFULNESS_METRICS, MODES
 
     rates = [0.0, 0.3, 0.6] if s.quick else [0.0, 0.2, 0.4, 0.6, 0.8]
     return {
@@ -110,8 +110,8 @@ def faithfulness_order(frame: Any, claimed: Sequence[str]) -> list[str]:
 
 
 def _run_faithfulness(ctx: StageContext, p: dict[str, Any]) -> StageOutput:
-    from mechgeom.analyses.faithfulness import perplexity_curves
-    from mechgeom.viz import plot_curves
+    from mechgeom.analyses.faithfulness.curves import perplexity_curves
+    from mechgeom.viz.figures import plot_curves
 
     partial = ctx.partial_path("faithfulness", ".csv")
     frame = perplexity_curves(
@@ -154,8 +154,9 @@ def _sinks_params(s: ReportSettings) -> dict[str, Any]:
 
 
 def _run_sinks(ctx: StageContext, p: dict[str, Any]) -> StageOutput:
-    from mechgeom.analyses.sinks import convexity_check, sink_ablation, top_sink_heads
-    from mechgeom.viz import (
+    from mechgeom.analyses.sinks import convexity_check, sink_ablation
+    from mechgeom.analyses.sinks.statistics import top_sink_heads
+    from mechgeom.viz.figures import (
         plot_cone_shift,
         plot_convexity_curves,
         plot_rate_vs_ratio,
@@ -235,8 +236,8 @@ def spread_layers(n_layers: int, k: int) -> list[int]:
 
 
 def _run_selection(ctx: StageContext, p: dict[str, Any]) -> StageOutput:
-    from mechgeom.analyses.selection import token_selection
-    from mechgeom.viz import plot_selection_scores
+    from mechgeom.analyses.selection.collector import token_selection
+    from mechgeom.viz.selection_figures import plot_selection_scores
 
     model = ctx.model
     n_layers = int(model.cfg.n_layers)
@@ -276,9 +277,9 @@ def _taxonomy_params(s: ReportSettings) -> dict[str, Any]:
 
 
 def _run_taxonomy(ctx: StageContext, p: dict[str, Any]) -> StageOutput:
-    from mechgeom.analyses.taxonomy import classify_heads, label_agreement, regime_summary
+    from mechgeom.analyses.heads.taxonomy import classify_heads, label_agreement, regime_summary
     from mechgeom.data import load_corpus
-    from mechgeom.viz import plot_regime_grid
+    from mechgeom.viz.figures import plot_regime_grid
 
     model, s = ctx.model, ctx.settings
     res = ctx.sinks_and_labels(p["n_texts"], p["sink_positions"])["taxonomy"]  # = classify_heads(...)
@@ -327,8 +328,9 @@ def _pruning_params(s: ReportSettings) -> dict[str, Any]:
 
 
 def _run_pruning(ctx: StageContext, p: dict[str, Any]) -> StageOutput:
-    from mechgeom.analyses.pruning import head_orders, head_stats, retention_curves, single_head_sweep
-    from mechgeom.viz import plot_retention
+    from mechgeom.analyses.heads import head_orders, head_stats
+    from mechgeom.analyses.heads.pruning import retention_curves, single_head_sweep
+    from mechgeom.viz.figures import plot_retention
 
     model, tokens = ctx.model, ctx.tokens[: p["n_texts"]]
     stats = head_stats(model, tokens, verbose=ctx.verbose)  # also labels the heads, in the same passes
@@ -388,7 +390,7 @@ STAGES: tuple[Stage, ...] = (
     Stage(
         "faithfulness",
         "Faithfulness curves",
-        "mechgeom.analyses.faithfulness",
+        "mechgeom.analyses.faithfulness.curves",
         _faithfulness_params,
         _run_faithfulness,
         "Remove each query's top- (comprehensiveness) or bottom-ranked (sufficiency) sources by each metric "
@@ -397,7 +399,7 @@ STAGES: tuple[Stage, ...] = (
     Stage(
         "sinks",
         "Sinks, convexity and sink-norm ablation",
-        "mechgeom.analyses.sinks",
+        "mechgeom.analyses.sinks.statistics",
         _sinks_params,
         _run_sinks,
         "Sink rate and value norms, anti-alignment with the non-sink mean, the convex norm curve ‖o(s)‖ "
@@ -406,7 +408,7 @@ STAGES: tuple[Stage, ...] = (
     Stage(
         "selection",
         "Token-selection geometry",
-        "mechgeom.analyses.selection",
+        "mechgeom.analyses.selection.collector",
         _selection_params,
         _run_selection,
         "Extreme F-scores of top-N source sets vs random sets and without the sink, the inversion "
@@ -415,7 +417,7 @@ STAGES: tuple[Stage, ...] = (
     Stage(
         "taxonomy",
         "Head taxonomy",
-        "mechgeom.analyses.taxonomy",
+        "mechgeom.analyses.heads.taxonomy",
         _taxonomy_params,
         _run_taxonomy,
         "Parameter-free source-winner labels: Retriever (current token wins), Mixer (sink wins), "
@@ -424,7 +426,7 @@ STAGES: tuple[Stage, ...] = (
     Stage(
         "pruning",
         "Head pruning",
-        "mechgeom.analyses.pruning",
+        "mechgeom.analyses.heads.pruning",
         _pruning_params,
         _run_pruning,
         "Perplexity as heads are removed (zeroing hook_z) in taxonomy, weight-magnitude, entropy, random "

@@ -8,7 +8,7 @@ process (``--engine local``) or on Ray actors (``--engine ray``), resumable, wit
 - ``tasks``: :func:`mechgeom.analyses.faithfulness.task_accuracy_curves` on BoolQ, Winogrande and MMLU
   items (16 subjects) -> ``DIR/tasks.csv`` (per task, metric, mode, rate: accuracy, Δaccuracy with its
   bootstrap interval, and the task's ``chance`` and ``majority`` rates), record ``DIR/tasks.per_choice.csv``.
-- ``pruning``: :func:`mechgeom.analyses.pruning.single_head_sweep` on WikiText-2 windows ->
+- ``pruning``: :func:`mechgeom.analyses.heads.pruning.single_head_sweep` on WikiText-2 windows ->
   ``DIR/single_head.csv`` (the leaderboard), record ``DIR/single_head.per_text.csv``.
 
 Rerun the same command to resume an interrupted sweep (Ctrl-C included); a larger ``--n-texts`` or
@@ -34,15 +34,15 @@ import pandas as pd
 import torch
 
 from mechgeom._io import write_frame
-from mechgeom.analyses.evaluation import task_baselines
-from mechgeom.analyses.faithfulness import (
+from mechgeom.analyses.faithfulness.curves import (
     DEFAULT_RATES,
     FAITHFULNESS_METRICS,
     MODES,
     perplexity_curves,
     task_accuracy_curves,
 )
-from mechgeom.analyses.pruning import single_head_sweep
+from mechgeom.analyses.heads.pruning import single_head_sweep
+from mechgeom.analyses.scoring import task_baselines
 from mechgeom.data import CORPORA, TASKS, load_corpus, load_task
 from mechgeom.models import load_model
 from mechgeom.report.options import layer_list, names, positive, rates, seq_len

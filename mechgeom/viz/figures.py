@@ -18,9 +18,10 @@ import torch
 from matplotlib.figure import Figure
 
 from mechgeom._io import atomic_write
-from mechgeom.analyses.faithfulness import MODES
-from mechgeom.analyses.sinks import SinkAblationResult, SinkResult, convex_norm
-from mechgeom.analyses.taxonomy import LABELS, REGIME_COLORS, _check_table
+from mechgeom.analyses.faithfulness.curves import MODES
+from mechgeom.analyses.heads.taxonomy import LABELS, REGIME_COLORS, check_table
+from mechgeom.analyses.sinks import SinkAblationResult, convex_norm
+from mechgeom.analyses.sinks.statistics import SinkResult
 from mechgeom.typing import Tensor
 
 __all__ = [
@@ -65,7 +66,7 @@ def plot_head_heatmaps(df: pd.DataFrame, cols: Sequence[tuple[str, str]]) -> Fig
     return fig
 
 
-# --------------------------------------------------------------------------- faithfulness (mechgeom.analyses.faithfulness)
+# --------------------------------------------------------------------------- faithfulness (mechgeom.analyses.faithfulness.curves)
 
 
 def plot_curves(
@@ -134,7 +135,7 @@ def plot_curves(
     return fig
 
 
-# --------------------------------------------------------------------------- sinks (mechgeom.analyses.sinks)
+# --------------------------------------------------------------------------- sinks (mechgeom.analyses.sinks.statistics)
 
 
 def _new_axes(ax: Any, figsize: tuple[float, float]) -> tuple[Figure, Any]:
@@ -237,7 +238,7 @@ def plot_cone_shift(ablation: SinkAblationResult, *, ax: Any = None) -> Figure:
     return fig
 
 
-# --------------------------------------------------------------------------- taxonomy (mechgeom.analyses.taxonomy)
+# --------------------------------------------------------------------------- taxonomy (mechgeom.analyses.heads.taxonomy)
 
 
 def plot_regime_grid(table: pd.DataFrame, *, ax: Any = None, title: str | None = None) -> Any:
@@ -245,7 +246,7 @@ def plot_regime_grid(table: pd.DataFrame, *, ax: Any = None, title: str | None =
     from matplotlib.colors import ListedColormap
     from matplotlib.patches import Patch
 
-    _check_table(table)
+    check_table(table)
     layers = sorted(table["layer"].unique())
     n_heads = int(table["head"].max()) + 1
     grid = np.full((len(layers), n_heads), np.nan)
@@ -278,7 +279,7 @@ def plot_regime_grid(table: pd.DataFrame, *, ax: Any = None, title: str | None =
     return fig
 
 
-# --------------------------------------------------------------------------- pruning (mechgeom.analyses.pruning)
+# --------------------------------------------------------------------------- pruning (mechgeom.analyses.heads.pruning)
 
 
 def plot_retention(frame: pd.DataFrame, path: str | Path | None = None, *, title: str = "") -> Figure:

@@ -1,4 +1,4 @@
-"""Figures of token-selection geometry (:mod:`mechgeom.analyses.selection`), as plain matplotlib ``Figure``s.
+"""Figures of token-selection geometry (:mod:`mechgeom.analyses.selection.collector`), as plain matplotlib ``Figure``s.
 
 Both functions draw tables of a :class:`mechgeom.analyses.selection.SelectionResult` (its ``to_frame()`` and
 ``by_n_frame()``) and return a ``matplotlib.figure.Figure``: no pyplot state, no backend switch, nothing left

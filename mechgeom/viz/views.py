@@ -14,7 +14,7 @@ scale centred on 0: white at 0, :data:`POSITIVE_COLOR` (blue) for positive and :
 for negative weights, saturating at ``±scale`` (default 1: a source that carries the whole output). Raw
 attention shares that scale, so an attention weight and a contribution weight of the same size get the same
 colour. The token view scales to ``max |w|`` of the query's sources so that small negative weights stay
-visible. NaN weights (a zero output norm, see :mod:`mechgeom.analyses.contribution`) are drawn as 0 (white) and the
+visible. NaN weights (a zero output norm, see :mod:`mechgeom.analyses.contribution.weights`) are drawn as 0 (white) and the
 caption says how many there were. Entries above the diagonal are masked (grey) as circuitsvis does for
 causal attention (not for an encoder's result, whose queries see every key).
 """
@@ -32,7 +32,7 @@ from typing import Protocol
 import torch
 
 from mechgeom._io import atomic_write
-from mechgeom.analyses.contribution import ContributionResult
+from mechgeom.analyses.contribution.weights import ContributionResult
 from mechgeom.hooks import check_index
 from mechgeom.typing import Float, Tensor
 

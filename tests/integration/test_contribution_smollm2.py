@@ -10,7 +10,8 @@ from conftest import _require_wheel
 from reference_contribution import acts_of, assert_all_metrics_match, brute_force
 from transformer_lens.patching import layer_head_pattern_patch_setter, layer_head_vector_patch_setter
 
-from mechgeom.analyses.contribution import (
+from mechgeom.analyses.contribution.overview import contribution_overview
+from mechgeom.analyses.contribution.weights import (
     INTER_METRICS,
     INTRA_METRICS,
     ContributionCollector,
@@ -18,7 +19,6 @@ from mechgeom.analyses.contribution import (
     contribution_weights_from_cache,
     reconstruct_attn_out,
 )
-from mechgeom.analyses.contribution_overview import contribution_overview
 from mechgeom.hooks import LayerCollector, has_hooks, run_hooks
 
 pytestmark = pytest.mark.integration

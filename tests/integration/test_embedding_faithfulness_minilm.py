@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from mechgeom.analyses.embedding_faithfulness import embedding_curves
+from mechgeom.analyses.faithfulness.embedding import embedding_curves
 
 pytestmark = pytest.mark.integration
 

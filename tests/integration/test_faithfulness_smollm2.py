@@ -8,8 +8,10 @@ import pandas as pd
 import pytest
 import torch
 
-from mechgeom.analyses import faithfulness as fa
-from mechgeom.analyses.evaluation import perplexity
+from mechgeom import hooks as mg_hooks
+from mechgeom.analyses import faithfulness
+from mechgeom.analyses.faithfulness import curves as fa
+from mechgeom.analyses.scoring import perplexity
 from mechgeom.data import load_task
 from mechgeom.hooks import has_hooks, run_hooks
 
@@ -18,7 +20,7 @@ pytestmark = pytest.mark.integration
 
 def test_smollm2_rate_one_silences_every_attention_layer(smollm2, smollm2_windows) -> None:
     tokens = smollm2_windows[:1, :24]
-    ranking = fa.source_rankings(smollm2, tokens, ["attention"])["attention"]
+    ranking = faithfulness.source_rankings(smollm2, tokens, ["attention"])["attention"]
     assert ranking.ranks[0].shape == (1, 9, 24, 24) and ranking.ranks[0].dtype == torch.uint8
     outs: dict[int, torch.Tensor] = {}
 
@@ -29,10 +31,10 @@ def test_smollm2_rate_one_silences_every_attention_layer(smollm2, smollm2_window
     clean = run_hooks(smollm2, tokens, readers, return_type="logits")
     assert min(float(o.abs().max()) for o in outs.values()) > 1e-3
     at_zero = run_hooks(
-        smollm2, tokens, fa.masking_hooks(smollm2, ranking=ranking, rate=0.0), return_type="logits"
+        smollm2, tokens, mg_hooks.masking_hooks(smollm2, ranking=ranking, rate=0.0), return_type="logits"
     )
     assert torch.equal(at_zero, clean)
-    run_hooks(smollm2, tokens, [*fa.masking_hooks(smollm2, ranking=ranking, rate=1.0), *readers])
+    run_hooks(smollm2, tokens, [*mg_hooks.masking_hooks(smollm2, ranking=ranking, rate=1.0), *readers])
     assert len(outs) == 30 and all(float(o.abs().max()) == 0.0 for o in outs.values())  # SmolLM2 has no b_O
     assert not has_hooks(smollm2)
 
@@ -65,13 +67,13 @@ def test_smollm2_masked_pattern_matches_hand_mask(smollm2, smollm2_windows, mode
     for m in masks.values():
         assert torch.equal(m.sum(-1), counts.expand(9, -1))
 
-    ranking = fa.source_rankings(smollm2, tokens, ["attention"], layers=layers)["attention"]
+    ranking = faithfulness.source_rankings(smollm2, tokens, ["attention"], layers=layers)["attention"]
     seen: dict[tuple[int, str], torch.Tensor] = {}
 
     def read(p, hook, key):  # type: ignore[no-untyped-def]
         seen[key] = p.detach().clone()
 
-    lib = fa.masking_hooks(smollm2, ranking=ranking, rate=num / den, mode=mode)
+    lib = mg_hooks.masking_hooks(smollm2, ranking=ranking, rate=num / den, mode=mode)
     assert [n for n, _ in lib] == names
     hooks = []
     for la, n, fn in zip(layers, names, [f for _, f in lib], strict=True):
@@ -107,7 +109,7 @@ def test_smollm2_masked_pattern_matches_hand_mask(smollm2, smollm2_windows, mode
 
 def test_smollm2_curves_rank_metrics_above_random(smollm2, smollm2_windows) -> None:
     tokens = smollm2_windows[:2, :64]
-    frame = fa.perplexity_curves(
+    frame = faithfulness.perplexity_curves(
         smollm2,
         tokens,
         ["attention", "contribution", "random"],
@@ -128,7 +130,7 @@ def test_smollm2_curves_rank_metrics_above_random(smollm2, smollm2_windows) -> N
 
 def test_smollm2_task_scoring_uses_the_real_tokenizer(smollm2, tmp_path) -> None:
     items = load_task("mmlu", n=2, seed=0) + load_task("winogrande", n=2, seed=0)
-    frame = fa.task_accuracy_curves(
+    frame = faithfulness.task_accuracy_curves(
         smollm2,
         items,
         ["contribution"],

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import mechgeom
-from mechgeom.analyses.evaluation import perplexity
+from mechgeom.analyses.scoring import perplexity
 from mechgeom.data import load_corpus
 from mechgeom.models import cache_dir, default_backend, gguf_path, load_model
 

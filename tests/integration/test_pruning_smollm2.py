@@ -7,16 +7,9 @@ import math
 import pytest
 import torch
 
-from mechgeom.analyses.evaluation import perplexity
-from mechgeom.analyses.pruning import (
-    head_ablation_hooks,
-    head_stats,
-    magnitude_order,
-    retention_curve,
-    score_choices,
-    single_head_sweep,
-    weight_magnitude,
-)
+from mechgeom.analyses.heads import head_stats, magnitude_order, weight_magnitude
+from mechgeom.analyses.heads.pruning import head_ablation_hooks, retention_curve, single_head_sweep
+from mechgeom.analyses.scoring import perplexity, score_choices
 from mechgeom.data import load_task
 from mechgeom.hooks import has_hooks
 
@@ -132,8 +125,8 @@ def test_choice_scores_equal_unbatched_smollm2(smollm2):
 
 def test_head_stats_labels_equal_classify_heads_smollm2(smollm2, smollm2_windows):
     """The taxonomy collected in head_stats' own passes is classify_heads' table; the order starts with Resets."""
-    from mechgeom.analyses.pruning import head_orders
-    from mechgeom.analyses.taxonomy import classify_heads
+    from mechgeom.analyses.heads import head_orders
+    from mechgeom.analyses.heads.taxonomy import classify_heads
 
     ref = smollm2_windows[2:]
     stats = head_stats(smollm2, ref)

@@ -9,8 +9,8 @@ import pandas as pd
 import pytest
 from conftest import require_minilm
 
-from mechgeom.analyses.embedding_faithfulness import embedding_curves
-from mechgeom.analyses.sinks import sink_statistics
+from mechgeom.analyses.faithfulness.embedding import embedding_curves
+from mechgeom.analyses.sinks.statistics import sink_statistics
 from mechgeom.cli import main
 from mechgeom.data import CORPORA, load_corpus
 from mechgeom.models import load_model

@@ -10,13 +10,8 @@ import pandas as pd
 import pytest
 import torch
 
-from mechgeom.analyses.faithfulness import (
-    MODES,
-    area_ordering,
-    faithfulness_summary,
-    perplexity_curves,
-    task_accuracy_curves,
-)
+from mechgeom.analyses.faithfulness import area_ordering, faithfulness_summary
+from mechgeom.analyses.faithfulness.curves import MODES, perplexity_curves, task_accuracy_curves
 from mechgeom.cli import main
 from mechgeom.data import load_corpus, load_task
 

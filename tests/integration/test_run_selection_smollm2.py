@@ -9,8 +9,8 @@ import math
 import pandas as pd
 import pytest
 
-from mechgeom.analyses.selection import token_selection
-from mechgeom.analyses.taxonomy import classify_heads
+from mechgeom.analyses.heads.taxonomy import classify_heads
+from mechgeom.analyses.selection.collector import token_selection
 from mechgeom.cli import main
 from mechgeom.data import load_corpus
 

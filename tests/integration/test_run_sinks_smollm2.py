@@ -9,7 +9,7 @@ import math
 import pandas as pd
 import pytest
 
-from mechgeom.analyses.sinks import sink_statistics, spread_sink_heads
+from mechgeom.analyses.sinks.statistics import sink_statistics, spread_sink_heads
 from mechgeom.cli import main
 from mechgeom.data import load_corpus
 

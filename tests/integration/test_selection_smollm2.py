@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from mechgeom.analyses.selection import token_selection, token_selection_from_cache
-from mechgeom.analyses.taxonomy import classify_heads, classify_heads_from_cache, regime_summary
+from mechgeom.analyses.heads.taxonomy import classify_heads, classify_heads_from_cache, regime_summary
+from mechgeom.analyses.selection.collector import token_selection, token_selection_from_cache
 from mechgeom.hooks import has_hooks
 
 pytestmark = pytest.mark.integration

@@ -1,4 +1,4 @@
-"""mechgeom.analyses.sinks on SmolLM2-135M: references, the convexity intervention, GQA ablation, real-model sink geometry."""
+"""mechgeom.analyses.sinks.statistics on SmolLM2-135M: references, the convexity intervention, GQA ablation, real-model sink geometry."""
 
 from __future__ import annotations
 
@@ -8,17 +8,9 @@ import numpy as np
 import pytest
 import torch
 
-from mechgeom.analyses.sinks import (
-    SinkResult,
-    affected_heads,
-    convexity_by_intervention,
-    convexity_check,
-    sink_ablation,
-    sink_statistics,
-    sink_value_hooks,
-    top_sink_heads,
-)
-from mechgeom.hooks import LayerCollector, hook_name, run_hooks
+from mechgeom.analyses.sinks import convexity_by_intervention, convexity_check, sink_ablation
+from mechgeom.analyses.sinks.statistics import SinkResult, sink_statistics, top_sink_heads
+from mechgeom.hooks import LayerCollector, affected_heads, hook_name, run_hooks, sink_value_hooks
 
 pytestmark = pytest.mark.integration
 

@@ -8,8 +8,8 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from mechgeom.analyses.evaluation import task_baselines
-from mechgeom.analyses.faithfulness import perplexity_curves, task_accuracy_curves
+from mechgeom.analyses.faithfulness.curves import perplexity_curves, task_accuracy_curves
+from mechgeom.analyses.scoring import task_baselines
 from mechgeom.cli import main
 from mechgeom.data import load_corpus, load_task
 

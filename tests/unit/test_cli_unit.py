@@ -15,7 +15,7 @@ import torch
 from conftest import make_tiny, random_tokens
 
 from mechgeom import report
-from mechgeom.analyses.contribution_stats import add_sums, finish_sums, score_sums
+from mechgeom.analyses.contribution.stats import add_sums, finish_sums, score_sums
 from mechgeom.cli import build_parser, main
 from mechgeom.models import list_models
 

@@ -1,4 +1,4 @@
-"""The fused sweep (``contribution_rows.c`` through :mod:`mechgeom.analyses.contribution_fused`) against the
+"""The fused sweep (``contribution_rows.c`` through :mod:`mechgeom._kernels.fused`) against the
 brute force and the plain-torch sweep; how the kernel is built and when it is not; and the reader's skip of
 :func:`~mechgeom.hooks.modified_mask` when no other hook can have touched a layer."""
 
@@ -13,10 +13,9 @@ import torch
 from conftest import make_tiny, random_tokens
 from reference_contribution import assert_all_metrics_match, brute_force
 
-from mechgeom import _native
-from mechgeom.analyses import contribution_fused as fused
-from mechgeom.analyses.contribution import contribution_weights
-from mechgeom.analyses.contribution_geometry import INTER_METRICS, INTRA_METRICS, LayerGeometry
+from mechgeom._kernels import build, fused
+from mechgeom.analyses.contribution.geometry import INTER_METRICS, INTRA_METRICS, LayerGeometry
+from mechgeom.analyses.contribution.weights import contribution_weights
 from mechgeom.hooks import readers
 
 
@@ -30,10 +29,10 @@ def kernel() -> None:
 
 @pytest.fixture
 def fresh_load():
-    """``_native.load`` forgets what it loaded, before and after the test."""
-    _native.load.cache_clear()
+    """``build.load`` forgets what it loaded, before and after the test."""
+    build.load.cache_clear()
     yield
-    _native.load.cache_clear()
+    build.load.cache_clear()
 
 
 def _layer(B: int, H: int, Q: int, D: int, d_model: int, *, causal: bool, dtype: torch.dtype, seed: int):
@@ -169,7 +168,7 @@ def test_a_completed_causal_layer_is_zero_after_each_query_on_both_sweeps(kernel
 
 def test_kernel_is_built_once_through_a_rename_and_reused(kernel, fresh_load, monkeypatch, tmp_path) -> None:
     monkeypatch.setenv("MECHGEOM_CACHE", str(tmp_path))
-    lib = _native.load("mechgeom.analyses", "contribution_rows.c")
+    lib = build.load("mechgeom._kernels", "contribution_rows.c")
     assert (
         lib is not None
         and hasattr(lib, "mg_contribution_rows_f32")
@@ -177,19 +176,19 @@ def test_kernel_is_built_once_through_a_rename_and_reused(kernel, fresh_load, mo
     )
     built = sorted(p.name for p in (tmp_path / "native").iterdir())
     assert len(built) == 1 and built[0].startswith("contribution_rows-") and built[0].endswith(".so")
-    _native.load.cache_clear()  # a new process: the library is found, not built again
-    monkeypatch.setattr(_native, "_build", lambda *a: pytest.fail("built twice"))
-    assert _native.load("mechgeom.analyses", "contribution_rows.c") is not None
+    build.load.cache_clear()  # a new process: the library is found, not built again
+    monkeypatch.setattr(build, "_build", lambda *a: pytest.fail("built twice"))
+    assert build.load("mechgeom._kernels", "contribution_rows.c") is not None
 
 
 def test_the_kernel_runs_on_pytorchs_own_openmp_runtime(kernel) -> None:
     """Where PyTorch runs on GNU OpenMP, the kernel is built with it and binds to PyTorch's libgomp: no second
     runtime (and no second thread pool) is loaded."""
-    if not _native.torch_libgomp():
+    if not build.torch_libgomp():
         pytest.skip("PyTorch does not run on GNU OpenMP here: the kernel is built without OpenMP")
-    lib = _native.load("mechgeom.analyses", "contribution_rows.c")
-    assert lib is not None and _native.openmp(lib)
-    gomp = [p for p in _native._mapped_files() if Path(p).name == "libgomp.so.1"]
+    lib = build.load("mechgeom._kernels", "contribution_rows.c")
+    assert lib is not None and build.openmp(lib)
+    gomp = [p for p in build._mapped_files() if Path(p).name == "libgomp.so.1"]
     assert len(gomp) == 1, gomp
 
 
@@ -198,11 +197,11 @@ def test_the_source_builds_under_another_name(kernel, tmp_path) -> None:
     builds only because the build names its copy after the file."""
     source = tmp_path / "tmp1234-extracted.c"
     source.write_bytes((Path(fused.__file__).parent / "contribution_rows.c").read_bytes())
-    cc = _native._compiler()
+    cc = build._compiler()
     assert cc is not None
-    flags = _native.FLAG_SETS[-1]
-    assert _native._build(cc, source, tmp_path / "a.so", flags, "contribution_rows.c")
-    assert not _native._build(cc, source, tmp_path / "b.so", flags)  # under its own name the include fails
+    flags = build.FLAG_SETS[-1]
+    assert build._build(cc, source, tmp_path / "a.so", flags, "contribution_rows.c")
+    assert not build._build(cc, source, tmp_path / "b.so", flags)  # under its own name the include fails
     assert (tmp_path / "a.so").exists() and not (tmp_path / "b.so").exists()
 
 
@@ -216,20 +215,20 @@ def test_without_a_compiler_or_when_turned_off_the_plain_sweep_runs(
     broken = tmp_path / "cc"
     broken.write_text("#!/bin/sh\necho 'cc: error' >&2\nexit 1\n")
     broken.chmod(0o755)
-    monkeypatch.setattr(_native, "_compiler", lambda: str(broken))
-    assert _native.load("mechgeom.analyses", "contribution_rows.c") is None  # every flag set fails
+    monkeypatch.setattr(build, "_compiler", lambda: str(broken))
+    assert build.load("mechgeom._kernels", "contribution_rows.c") is None  # every flag set fails
     assert not any(Path(tmp_path / "native").glob("*")), "a failed build leaves no file behind"
     assert not fused.available(alpha)
     assert_all_metrics_match(*LayerGeometry(alpha, v, z, W).compute(), ref, atol=1e-9)
 
-    _native.load.cache_clear()
-    monkeypatch.setattr(_native, "_compiler", lambda: None)
-    assert _native.load("mechgeom.analyses", "contribution_rows.c") is None
+    build.load.cache_clear()
+    monkeypatch.setattr(build, "_compiler", lambda: None)
+    assert build.load("mechgeom._kernels", "contribution_rows.c") is None
 
-    _native.load.cache_clear()
+    build.load.cache_clear()
     monkeypatch.undo()
     monkeypatch.setenv("MECHGEOM_NATIVE", "0")
-    assert _native.disabled() and _native.load("mechgeom.analyses", "contribution_rows.c") is None
+    assert build.disabled() and build.load("mechgeom._kernels", "contribution_rows.c") is None
     assert not fused.available(alpha)
     assert not fused.available(alpha.to(torch.float16))  # the kernel has float32 and float64 only
 

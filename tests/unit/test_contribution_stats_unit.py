@@ -1,4 +1,4 @@
-"""Headline statistics of contribution weights (``mechgeom.analyses.contribution_stats``) against brute-force
+"""Headline statistics of contribution weights (``mechgeom.analyses.contribution.stats``) against brute-force
 loops over (text, head, query, source), and the streamed overview against a result in memory."""
 
 from __future__ import annotations
@@ -13,9 +13,8 @@ import pytest
 import torch
 from conftest import make_tiny, random_tokens
 
-from mechgeom.analyses.contribution import contribution_weights
-from mechgeom.analyses.contribution_overview import ContributionOverview, contribution_overview
-from mechgeom.analyses.contribution_stats import (
+from mechgeom.analyses.contribution.overview import ContributionOverview, contribution_overview
+from mechgeom.analyses.contribution.stats import (
     HEAD_STATISTICS,
     ScoreTotals,
     add_sums,
@@ -23,6 +22,7 @@ from mechgeom.analyses.contribution_stats import (
     overview_summary,
     score_sums,
 )
+from mechgeom.analyses.contribution.weights import contribution_weights
 
 SUMMARY_KEYS = [
     "n_heads",

@@ -15,8 +15,8 @@ from hypothesis import strategies as st
 from reference_contribution import acts_of, assert_all_metrics_match, brute_force
 from transformer_lens.patching import layer_head_pattern_patch_setter, layer_head_vector_patch_setter
 
-from mechgeom.analyses.contribution import (
-    BLOCK_SIZE,
+from mechgeom.analyses.contribution import BLOCK_SIZE
+from mechgeom.analyses.contribution.weights import (
     INTER_METRICS,
     INTRA_METRICS,
     ContributionCollector,
@@ -617,7 +617,7 @@ def test_result_derives_string_tokens_from_the_tokenizer() -> None:
 
 
 def test_verbose_shows_a_bar_over_layers_and_changes_nothing(capsys, monkeypatch) -> None:
-    from mechgeom.analyses import contribution
+    from mechgeom.analyses.contribution import weights as contribution
 
     model = make_tiny(n_layers=3, seed=45)
     tokens = random_tokens(1, 6, seed=46)
@@ -669,7 +669,9 @@ def test_verbose_shows_a_bar_over_layers_and_changes_nothing(capsys, monkeypatch
 
 def test_geometry_lives_in_its_module_and_uses_the_shared_gram() -> None:
     from mechgeom import maths
-    from mechgeom.analyses import contribution, contribution_geometry, contribution_overview
+    from mechgeom.analyses import contribution
+    from mechgeom.analyses.contribution import geometry as contribution_geometry
+    from mechgeom.analyses.contribution import overview as contribution_overview
 
     assert contribution.LayerGeometry is contribution_geometry.LayerGeometry
     assert contribution.INTRA_METRICS is contribution_geometry.INTRA_METRICS
@@ -692,7 +694,7 @@ def test_gram_of_each_head_pair_once_matches_materialised_values(
     n_heads: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """``G_j[h,g] = <vt[j,h], vt[j,g]>`` from each unordered pair once (odd and even head counts), in chunks."""
-    from mechgeom.analyses import contribution_geometry
+    from mechgeom.analyses.contribution import geometry as contribution_geometry
 
     monkeypatch.setattr(contribution_geometry, "GRAM_CHUNK", 7)  # several chunks, the last one partial
     g = torch.Generator().manual_seed(n_heads)

@@ -19,15 +19,15 @@ import pytest
 import torch
 from conftest import HAS_HOOKED, make_tiny, random_tokens
 
-from mechgeom.analyses import embedding_faithfulness as ef
-from mechgeom.analyses.contribution import contribution_weights
-from mechgeom.analyses.embedding_faithfulness import (
+from mechgeom.analyses.contribution.weights import contribution_weights
+from mechgeom.analyses.faithfulness import embedding as ef
+from mechgeom.analyses.faithfulness.embedding import (
     EMBEDDING_RATES,
     embedding_curves,
     embedding_effect,
     embedding_summary,
 )
-from mechgeom.analyses.rankings import _random_scores, _unit_hash
+from mechgeom.analyses.faithfulness.rankings import random_scores, unit_hash
 from mechgeom.hooks import (
     has_hooks,
     hook_name,
@@ -120,9 +120,9 @@ def brute_effects(model, tokens, mask, metric, scope, rate, mode, layers, seed=0
         k = math.ceil(Fraction(str(rate)) * n)
         for li, layer in enumerate(layers):
             if metric == "random":
-                noise = _random_scores(
+                noise = random_scores(
                     n_heads if scope == "intra" else 1, n, n, seed=seed,
-                    unit_hash=_unit_hash(tokens[t, real]), layer=layer,
+                    unit_hash=unit_hash(tokens[t, real]), layer=layer,
                 )  # fmt: skip
             for h in range(n_heads):
                 for qi, i in enumerate(real):

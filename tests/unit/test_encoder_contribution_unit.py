@@ -12,7 +12,7 @@ import torch
 from conftest import make_tiny, needs_hooked, random_tokens
 from reference_contribution import acts_of, assert_all_metrics_match, brute_force
 
-from mechgeom.analyses.contribution import (
+from mechgeom.analyses.contribution.weights import (
     INTER_METRICS,
     INTRA_METRICS,
     ContributionCollector,

@@ -13,8 +13,8 @@ import torch
 from conftest import make_tiny, random_tokens
 from reference_contribution import acts_of
 
-from mechgeom.analyses.encoder_sinks import encoder_sink_statistics, merge_sink_results
-from mechgeom.analyses.sinks import SinkCollector, sink_statistics
+from mechgeom.analyses.sinks.encoder import encoder_sink_statistics, merge_sink_results
+from mechgeom.analyses.sinks.statistics import SinkCollector, sink_statistics
 from mechgeom.hooks import collect, has_hooks, sink_positions_per_text
 
 PAD, CLS, SEP, UNK = 0, 1, 2, 3
@@ -180,7 +180,7 @@ def test_corpus_windows_of_an_encoder_are_cls_text_sep() -> None:
 
 
 def test_from_cache_on_an_encoder_equals_the_run() -> None:
-    from mechgeom.analyses.sinks import sink_statistics_from_cache
+    from mechgeom.analyses.sinks.statistics import sink_statistics_from_cache
 
     model = _encoder(93)
     tokens = _texts([6, 6], seed=94)

@@ -1,4 +1,4 @@
-"""Next-token loss and multiple-choice scoring (mechgeom.analyses.evaluation) against brute-force references."""
+"""Next-token loss and multiple-choice scoring (mechgeom.analyses.scoring) against brute-force references."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import pytest
 import torch
 from conftest import make_tiny, needs_hooked, random_tokens
 
-import mechgeom.analyses.evaluation as evaluation
-from mechgeom.analyses.evaluation import (
+import mechgeom.analyses.scoring as evaluation
+from mechgeom.analyses.scoring import (
     EncodedItem,
     encode_choices,
     perplexity,

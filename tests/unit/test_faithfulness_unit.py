@@ -1,4 +1,4 @@
-"""Masking interventions, rankings and the resumable sweeps of mechgeom.analyses.faithfulness on tiny models.
+"""Masking interventions, rankings and the resumable sweeps of mechgeom.analyses.faithfulness.curves on tiny models.
 
 References are built by hand: per-query rankings by Python ``sorted`` over explicit loops, counts with
 exact fractions, and perplexities/accuracies from plain forward passes.
@@ -19,11 +19,13 @@ from conftest import make_tiny, random_tokens
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from mechgeom import hooks as mg_hooks
 from mechgeom import viz
-from mechgeom.analyses import evaluation
-from mechgeom.analyses import faithfulness as fa
-from mechgeom.analyses.contribution import contribution_weights
-from mechgeom.analyses.evaluation import perplexity, text_nll
+from mechgeom.analyses import faithfulness
+from mechgeom.analyses import scoring as evaluation
+from mechgeom.analyses.contribution.weights import contribution_weights
+from mechgeom.analyses.faithfulness import curves as fa
+from mechgeom.analyses.scoring import perplexity, text_nll
 from mechgeom.data import TaskItem
 from mechgeom.hooks import has_hooks, head_ablation_hooks, run_hooks
 
@@ -106,8 +108,8 @@ def test_n_removed_is_exact_ceiling() -> None:
     # 0.55 * 100 is 55.00000000000001 in binary floating point; np.arange gives 0.30000000000000004
     for rate in [0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0, 0.25, 0.05, 0.55]:
         want = [math.ceil(Fraction(str(rate)) * (i + 1)) for i in range(300)]
-        assert fa.n_removed(rate, 300).tolist() == want, rate
-    assert fa.n_removed(float(np.arange(0, 1, 0.1)[3]), 10)[-1] == 3
+        assert mg_hooks.n_removed(rate, 300).tolist() == want, rate
+    assert mg_hooks.n_removed(float(np.arange(0, 1, 0.1)[3]), 10)[-1] == 3
 
 
 @settings(max_examples=60, deadline=None)
@@ -118,7 +120,7 @@ def test_n_removed_is_exact_ceiling() -> None:
 def test_rank_sources_matches_python_sort(q: int, values: list[float]) -> None:
     # few distinct values -> many ties; NaN sprinkled in
     scores = torch.tensor(values[: q * q]).view(q, q)
-    ranks = fa.rank_sources(scores)
+    ranks = mg_hooks.rank_sources(scores)
     assert ranks.dtype == torch.uint8
     for i in range(q):
         order = brute_order(scores[i, : i + 1].tolist())
@@ -127,8 +129,8 @@ def test_rank_sources_matches_python_sort(q: int, values: list[float]) -> None:
 
 
 def test_rank_dtype_grows_with_length() -> None:
-    assert fa.rank_sources(torch.rand(300, 300)).dtype == torch.int16
-    r = fa.rank_sources(torch.rand(300, 300))
+    assert mg_hooks.rank_sources(torch.rand(300, 300)).dtype == torch.int16
+    r = mg_hooks.rank_sources(torch.rand(300, 300))
     assert sorted(r[299].tolist()) == list(range(300))
 
 
@@ -140,28 +142,28 @@ def test_rate_zero_gives_exactly_the_clean_logits(scope: str) -> None:
     model = make_tiny(n_kv=2)
     tokens = random_tokens(2, 10)
     clean = run_hooks(model, tokens, [], return_type="logits")
-    rankings = fa.source_rankings(model, tokens, scope=scope)
+    rankings = faithfulness.source_rankings(model, tokens, scope=scope)
     for metric, ranking in rankings.items():
-        for mode in fa.MODES:
-            hooks = fa.masking_hooks(model, ranking=ranking, rate=0.0, mode=mode)
+        for mode in mg_hooks.MODES:
+            hooks = mg_hooks.masking_hooks(model, ranking=ranking, rate=0.0, mode=mode)
             assert len(hooks) == model.cfg.n_layers
             assert torch.equal(run_hooks(model, tokens, hooks, return_type="logits"), clean), (metric, mode)
 
 
 @pytest.mark.parametrize("metric", GEO_METRICS)
 @pytest.mark.parametrize("scope", ["intra", "inter"])
-@pytest.mark.parametrize("mode", fa.MODES)
+@pytest.mark.parametrize("mode", mg_hooks.MODES)
 def test_ranked_mask_equals_brute_force(metric: str, scope: str, mode: str) -> None:
     model = make_tiny(n_kv=2)
     tokens = random_tokens(2, 10, seed=3)
     rate = 0.3  # 0.3 * 10 must count 3, not 4
     masks = brute_masks(model, tokens, metric, scope, rate, mode)
-    ranking = fa.source_rankings(model, tokens, [metric], scope=scope)[metric]
+    ranking = faithfulness.source_rankings(model, tokens, [metric], scope=scope)[metric]
     for layer, m in masks.items():
         assert torch.equal(ranking.mask(layer, rate, mode).expand_as(m), m)
     layers = list(masks)
     mine, seen = run_capture(
-        model, tokens, fa.masking_hooks(model, ranking=ranking, rate=rate, mode=mode), layers
+        model, tokens, mg_hooks.masking_hooks(model, ranking=ranking, rate=rate, mode=mode), layers
     )
     ref, seen_ref = run_capture(model, tokens, brute_hooks(masks), layers)
     for la in layers:
@@ -174,18 +176,18 @@ def test_ranked_mask_equals_brute_force(metric: str, scope: str, mode: str) -> N
     assert not torch.allclose(mine, run_hooks(model, tokens, [], return_type="logits"), atol=1e-3)
 
 
-@pytest.mark.parametrize("mode", fa.MODES)
+@pytest.mark.parametrize("mode", mg_hooks.MODES)
 def test_rate_one_leaves_only_b_O(mode: str) -> None:
     model = make_tiny(attn_only=True, b_O=True)
     tokens = random_tokens(2, 9)
-    ranking = fa.source_rankings(model, tokens, ["contribution"])["contribution"]
+    ranking = faithfulness.source_rankings(model, tokens, ["contribution"])["contribution"]
     outs: dict[int, torch.Tensor] = {}
 
     def read(t, hook, layer):
         outs[layer] = t.detach().clone()
 
     readers = [(f"blocks.{la}.hook_attn_out", partial(read, layer=la)) for la in range(model.cfg.n_layers)]
-    run_hooks(model, tokens, [*fa.masking_hooks(model, ranking=ranking, rate=1.0, mode=mode), *readers])
+    run_hooks(model, tokens, [*mg_hooks.masking_hooks(model, ranking=ranking, rate=1.0, mode=mode), *readers])
     for la in range(model.cfg.n_layers):
         b_O = model.blocks[la].attn.b_O.detach()
         assert b_O.abs().max() > 0.1
@@ -196,7 +198,7 @@ def test_intra_ranking_is_applied_per_head() -> None:
     model = make_tiny()
     tokens = random_tokens(1, 12, seed=5)
     res = contribution_weights(model, tokens, intra=["contribution"], inter=[])
-    ranking = fa.source_rankings(model, tokens, ["contribution"])["contribution"]
+    ranking = faithfulness.source_rankings(model, tokens, ["contribution"])["contribution"]
     mask = ranking.mask(0, 0.5, "comprehensiveness")[0]  # [head, q, k]
     assert mask.shape[0] == model.cfg.n_heads
     assert any(not torch.equal(mask[0], mask[h]) for h in range(1, model.cfg.n_heads))
@@ -209,15 +211,21 @@ def test_intra_ranking_is_applied_per_head() -> None:
             )
             assert set(torch.nonzero(mask[h, i]).flatten().tolist()) == want
     # giving head 0 head 1's ranking changes the result
-    swapped = fa.SourceRanking("contribution", "intra", {la: r.clone() for la, r in ranking.ranks.items()})
+    swapped = faithfulness.SourceRanking(
+        "contribution", "intra", {la: r.clone() for la, r in ranking.ranks.items()}
+    )
     swapped.ranks[0][:, 0] = ranking.ranks[0][:, 1]
-    a = run_hooks(model, tokens, fa.masking_hooks(model, ranking=ranking, rate=0.5), return_type="logits")
-    b = run_hooks(model, tokens, fa.masking_hooks(model, ranking=swapped, rate=0.5), return_type="logits")
+    a = run_hooks(
+        model, tokens, mg_hooks.masking_hooks(model, ranking=ranking, rate=0.5), return_type="logits"
+    )
+    b = run_hooks(
+        model, tokens, mg_hooks.masking_hooks(model, ranking=swapped, rate=0.5), return_type="logits"
+    )
     assert not torch.allclose(a, b, atol=1e-4)
     # inter-head: one ranking, the same mask on every head
-    inter = fa.source_rankings(model, tokens, ["contribution"], scope="inter")["contribution"]
+    inter = faithfulness.source_rankings(model, tokens, ["contribution"], scope="inter")["contribution"]
     assert inter.ranks[0].shape[1] == 1
-    _, seen = run_capture(model, tokens, fa.masking_hooks(model, ranking=inter, rate=0.5), [0])
+    _, seen = run_capture(model, tokens, mg_hooks.masking_hooks(model, ranking=inter, rate=0.5), [0])
     zeros = seen[("post", 0)][0] == 0
     assert all(torch.equal(zeros[0], zeros[h]) for h in range(model.cfg.n_heads))
 
@@ -228,23 +236,23 @@ def test_explicit_mask_three_and_four_dims() -> None:
     g = torch.Generator().manual_seed(0)
     m3 = torch.rand(2, 8, 8, generator=g) < 0.3
     m4 = m3[:, None].expand(2, model.cfg.n_heads, 8, 8).clone()
-    a, seen = run_capture(model, tokens, fa.masking_hooks(model, mask=m3, layers=[1]), [1])
-    b = run_hooks(model, tokens, fa.masking_hooks(model, mask=m4, layers=[1]), return_type="logits")
+    a, seen = run_capture(model, tokens, mg_hooks.masking_hooks(model, mask=m3, layers=[1]), [1])
+    b = run_hooks(model, tokens, mg_hooks.masking_hooks(model, mask=m4, layers=[1]), return_type="logits")
     assert torch.equal(a, b)
     pre, post = seen[("pre", 1)], seen[("post", 1)]
     assert torch.equal(post, torch.where(m4, torch.zeros_like(pre), pre))
     # a layer dict masks only the named layers
-    c = run_hooks(model, tokens, fa.masking_hooks(model, mask={1: m3}), return_type="logits")
+    c = run_hooks(model, tokens, mg_hooks.masking_hooks(model, mask={1: m3}), return_type="logits")
     assert torch.equal(a, c)
 
 
 def test_random_ranking_reproducible_and_batch_independent() -> None:
     model = make_tiny()
     tokens = random_tokens(3, 10, seed=1)
-    a = fa.source_rankings(model, tokens, ["random"], seed=0)["random"]
-    b = fa.source_rankings(model, tokens, ["random"], seed=0)["random"]
-    c = fa.source_rankings(model, tokens, ["random"], seed=1)["random"]
-    alone = fa.source_rankings(model, tokens[1:2], ["random"], seed=0)["random"]
+    a = faithfulness.source_rankings(model, tokens, ["random"], seed=0)["random"]
+    b = faithfulness.source_rankings(model, tokens, ["random"], seed=0)["random"]
+    c = faithfulness.source_rankings(model, tokens, ["random"], seed=1)["random"]
+    alone = faithfulness.source_rankings(model, tokens[1:2], ["random"], seed=0)["random"]
     assert a.same_as(b)
     assert not a.same_as(c)
     assert all(torch.equal(a.ranks[la][1:2], alone.ranks[la]) for la in a.layers)
@@ -258,7 +266,7 @@ def test_random_ranking_reproducible_and_batch_independent() -> None:
 def test_perplexity_curves_numbers_match_a_hand_computation() -> None:
     model = make_tiny(n_kv=2)
     tokens = random_tokens(4, 10, seed=7)
-    frame = fa.perplexity_curves(
+    frame = faithfulness.perplexity_curves(
         model, tokens, ["contribution", "random"], rates=(0.0, 0.5), batch_size=3, verbose=False
     )
     assert list(frame.columns[:8]) == [
@@ -277,7 +285,7 @@ def test_perplexity_curves_numbers_match_a_hand_computation() -> None:
     assert np.allclose(frame["clean_ppl"], clean, rtol=1e-5)
     zero = frame[frame["rate"] == 0]
     assert (zero["delta_ppl"] == 0).all() and (zero["ci_low"] == 0).all()
-    for mode in fa.MODES:
+    for mode in mg_hooks.MODES:
         masks = brute_masks(model, tokens, "contribution", "intra", 0.5, mode)
         nll = text_nll(model, tokens, brute_hooks(masks), batch_size=4)
         row = frame[
@@ -296,7 +304,7 @@ def test_resume_after_interruption_gives_the_same_table(tmp_path, monkeypatch) -
     kw = dict(
         metrics=("attention", "contribution", "random"), rates=(0.0, 0.5, 1.0), batch_size=2, verbose=False
     )
-    full = fa.perplexity_curves(model, tokens, checkpoint=tmp_path / "full.csv", **kw)
+    full = faithfulness.perplexity_curves(model, tokens, checkpoint=tmp_path / "full.csv", **kw)
 
     real = fa._masked_scores
     calls = {"n": 0}
@@ -310,7 +318,7 @@ def test_resume_after_interruption_gives_the_same_table(tmp_path, monkeypatch) -
     monkeypatch.setattr(fa, "_masked_scores", flaky)
     out = tmp_path / "run.csv"
     with pytest.raises(RuntimeError, match="simulated"):
-        fa.perplexity_curves(model, tokens, checkpoint=out, **kw)
+        faithfulness.perplexity_curves(model, tokens, checkpoint=out, **kw)
     assert not has_hooks(model)
     assert not out.exists()
     partial_rows = pd.read_csv(tmp_path / "run.per_text.csv")
@@ -323,7 +331,7 @@ def test_resume_after_interruption_gives_the_same_table(tmp_path, monkeypatch) -
         return real(*args, **kwargs)
 
     monkeypatch.setattr(fa, "_masked_scores", counting)
-    resumed = fa.perplexity_curves(model, tokens, checkpoint=out, **kw)
+    resumed = faithfulness.perplexity_curves(model, tokens, checkpoint=out, **kw)
     pd.testing.assert_frame_equal(resumed, full)
     pd.testing.assert_frame_equal(pd.read_csv(out), pd.read_csv(tmp_path / "full.csv"))
     rec = pd.read_csv(tmp_path / "run.per_text.csv")
@@ -334,12 +342,12 @@ def test_resume_after_interruption_gives_the_same_table(tmp_path, monkeypatch) -
 
     # a finished sweep reruns without a forward pass; other settings are refused
     counted["n"] = 0
-    fa.perplexity_curves(model, tokens, checkpoint=out, **kw)
+    faithfulness.perplexity_curves(model, tokens, checkpoint=out, **kw)
     assert counted["n"] == 0
     with pytest.raises(ValueError, match="seed"):
-        fa.perplexity_curves(model, tokens, checkpoint=out, seed=1, **kw)
+        faithfulness.perplexity_curves(model, tokens, checkpoint=out, seed=1, **kw)
     with pytest.raises(ValueError, match="scope"):
-        fa.perplexity_curves(model, tokens, checkpoint=out, scope="inter", **kw)
+        faithfulness.perplexity_curves(model, tokens, checkpoint=out, scope="inter", **kw)
 
 
 def test_task_accuracy_matches_per_sequence_scoring(tmp_path, monkeypatch) -> None:
@@ -356,7 +364,7 @@ def test_task_accuracy_matches_per_sequence_scoring(tmp_path, monkeypatch) -> No
         TaskItem("mmlu", "pick one:", (" A", " B", " C", " D"), 2),
         TaskItem("winogrande", "she gave him", (" the cat back", " a book"), 0),
     ]
-    frame = fa.task_accuracy_curves(
+    frame = faithfulness.task_accuracy_curves(
         model,
         items,
         ["attention", "random"],
@@ -368,15 +376,17 @@ def test_task_accuracy_matches_per_sequence_scoring(tmp_path, monkeypatch) -> No
     units, owner = fa._task_units(model, items, 40)
     rec = pd.read_csv(tmp_path / "t.per_choice.csv")
     preds: dict[tuple[str, str, float], list[int]] = {}
-    for key in [("clean", "clean", 0.0)] + [(m, mo, 0.5) for m in ("attention", "random") for mo in fa.MODES]:
+    for key in [("clean", "clean", 0.0)] + [
+        (m, mo, 0.5) for m in ("attention", "random") for mo in mg_hooks.MODES
+    ]:
         scores = {}
         for u, (i, c) in enumerate(owner):
             seq = units.tokens[u, : units.lengths[u]][None]
             n_ctx = int(torch.nonzero(units.targets[u])[0]) + 1
             hooks = []
             if key[0] != "clean":
-                ranking = fa.source_rankings(model, seq, [key[0]])[key[0]]
-                hooks = fa.masking_hooks(model, ranking=ranking, rate=key[2], mode=key[1])
+                ranking = faithfulness.source_rankings(model, seq, [key[0]])[key[0]]
+                hooks = mg_hooks.masking_hooks(model, ranking=ranking, rate=key[2], mode=key[1])
             logp = run_hooks(model, seq, hooks, return_type="logits").log_softmax(-1)[0]
             want = sum(float(logp[t - 1, seq[0, t]]) for t in range(n_ctx, seq.shape[1]))
             got = rec[
@@ -417,8 +427,10 @@ def test_extra_hooks_run_in_every_pass_and_match_a_brute_force(tmp_path) -> None
     tokens = random_tokens(4, 10, seed=7)
     abl = head_ablation_hooks(model, [(0, 1), (1, 2)])
     kw = dict(metrics=("contribution", "random"), rates=(0.0, 0.5), batch_size=3, verbose=False)
-    frame = fa.perplexity_curves(model, tokens, extra_hooks=abl, checkpoint=tmp_path / "abl.csv", **kw)
-    plain = fa.perplexity_curves(model, tokens, **kw)
+    frame = faithfulness.perplexity_curves(
+        model, tokens, extra_hooks=abl, checkpoint=tmp_path / "abl.csv", **kw
+    )
+    plain = faithfulness.perplexity_curves(model, tokens, **kw)
     assert not has_hooks(model)
     clean_nll = text_nll(model, tokens, abl)
     clean = float(torch.exp(clean_nll.mean()))
@@ -434,21 +446,25 @@ def test_extra_hooks_run_in_every_pass_and_match_a_brute_force(tmp_path) -> None
     assert row["delta_ppl"] == pytest.approx(row["ppl"] - clean, rel=1e-4)
     assert row["delta_nll"] == pytest.approx(float((nll - clean_nll).mean()), rel=1e-4, abs=1e-6)
     # the rankings are those of the ablated model, not of the plain one
-    ablated = fa.source_rankings(model, tokens, ["contribution"], extra_hooks=abl)["contribution"]
-    plain_ranking = fa.source_rankings(model, tokens, ["contribution"])["contribution"]
+    ablated = faithfulness.source_rankings(model, tokens, ["contribution"], extra_hooks=abl)["contribution"]
+    plain_ranking = faithfulness.source_rankings(model, tokens, ["contribution"])["contribution"]
     for la, m in masks.items():
         assert torch.equal(ablated.mask(la, 0.5, "comprehensiveness").expand_as(m), m)
     assert not ablated.same_as(plain_ranking)
     # the hooks are part of the settings fingerprint, both ways, by a repr that is the same in another process
     with pytest.raises(ValueError, match=r"model: stored .* extra_hooks .*, now "):
-        fa.perplexity_curves(model, tokens, checkpoint=tmp_path / "abl.csv", **kw)
+        faithfulness.perplexity_curves(model, tokens, checkpoint=tmp_path / "abl.csv", **kw)
     other = head_ablation_hooks(model, [(0, 1)])
     with pytest.raises(ValueError, match="extra_hooks"):
-        fa.perplexity_curves(model, tokens, extra_hooks=other, checkpoint=tmp_path / "abl.csv", **kw)
-    fa.perplexity_curves(model, tokens, checkpoint=tmp_path / "plain.csv", **kw)
+        faithfulness.perplexity_curves(
+            model, tokens, extra_hooks=other, checkpoint=tmp_path / "abl.csv", **kw
+        )
+    faithfulness.perplexity_curves(model, tokens, checkpoint=tmp_path / "plain.csv", **kw)
     with pytest.raises(ValueError, match=r"model: stored .*, now .* extra_hooks"):
-        fa.perplexity_curves(model, tokens, extra_hooks=abl, checkpoint=tmp_path / "plain.csv", **kw)
-    again = fa.perplexity_curves(
+        faithfulness.perplexity_curves(
+            model, tokens, extra_hooks=abl, checkpoint=tmp_path / "plain.csv", **kw
+        )
+    again = faithfulness.perplexity_curves(
         model,
         tokens,
         extra_hooks=head_ablation_hooks(model, [(0, 1), (1, 2)]),
@@ -456,13 +472,13 @@ def test_extra_hooks_run_in_every_pass_and_match_a_brute_force(tmp_path) -> None
         **kw,
     )
     pd.testing.assert_frame_equal(again, frame)
-    label = fa._settings(model, [0, 1], "intra", 0, abl)["model"]
+    label = fa.sweep_settings(model, [0, 1], "intra", 0, abl)["model"]
     assert "0x" not in label and "replace_z_hook" in label
     means = torch.zeros(model.cfg.n_layers, model.cfg.n_heads, model.cfg.d_head)
-    mean_a = fa._settings(
+    mean_a = fa.sweep_settings(
         model, [0, 1], "intra", 0, head_ablation_hooks(model, [(0, 1)], mode="mean", means=means)
     )
-    mean_b = fa._settings(
+    mean_b = fa.sweep_settings(
         model, [0, 1], "intra", 0, head_ablation_hooks(model, [(0, 1)], mode="mean", means=means + 1e-3)
     )
     assert mean_a != mean_b  # tensors enter by content, not by a rounded print
@@ -517,7 +533,7 @@ def test_faithfulness_summary_verdicts(comp, suff, verdicts, ties) -> None:
     comp_means = {**dict(zip(claimed, comp, strict=True)), "random": 0.5}
     suff_means = {**dict(zip(claimed, suff, strict=True)), "random": 9.0}
     frame = _curves({"comprehensiveness": comp_means, "sufficiency": suff_means})
-    out = fa.faithfulness_summary(frame)
+    out = faithfulness.faithfulness_summary(frame)
     assert out["clean_ppl"] == 7.5 and out["rates"] == [0.0, 0.3, 0.6] and out["claimed"] == claimed
     json.dumps(out)  # plain JSON
     for (mode, means), verdict, tied in zip(
@@ -538,10 +554,12 @@ def test_faithfulness_summary_verdicts(comp, suff, verdicts, ties) -> None:
 
 def test_faithfulness_summary_missing_metric_and_mode() -> None:
     frame = _curves({"comprehensiveness": {"attention": 1.0, "contribution": 2.0}})
-    out = fa.faithfulness_summary(frame)
+    out = faithfulness.faithfulness_summary(frame)
     assert list(out["modes"]) == ["comprehensiveness"]  # no sufficiency rows: no entry
     assert out["modes"]["comprehensiveness"]["verdict"] == "does not hold"  # two claimed metrics are missing
-    got = fa.faithfulness_summary(frame, claimed=["attention", "contribution"])["modes"]["comprehensiveness"]
+    got = faithfulness.faithfulness_summary(frame, claimed=["attention", "contribution"])["modes"][
+        "comprehensiveness"
+    ]
     assert got["verdict"] == "holds" and got["ranking"] == [["contribution", 2.0], ["attention", 1.0]]
 
 
@@ -550,11 +568,11 @@ def test_area_ordering_is_the_trapezoid_area() -> None:
     curves = {"attention": (0, 1, 3, 4), "contribution": (0, 2, 2, 9), "random": (0, 0.1, 0.2, 0.3)}
     rows = [
         {"mode": mode, "metric": m, "rate": r, "delta_ppl": y * (1 if mode == "comprehensiveness" else 0.5)}
-        for mode in fa.MODES
+        for mode in mg_hooks.MODES
         for m, ys in curves.items()
         for r, y in reversed(list(zip(rates, ys, strict=True)))  # unsorted on purpose
     ]
-    out = fa.area_ordering(pd.DataFrame(rows))
+    out = faithfulness.area_ordering(pd.DataFrame(rows))
     for mode, scale in (("comprehensiveness", 1.0), ("sufficiency", 0.5)):
         want = {
             m: sum((rates[k + 1] - rates[k]) * (ys[k] + ys[k + 1]) / 2 * scale for k in range(3))
@@ -574,7 +592,7 @@ def test_area_ordering_is_the_trapezoid_area() -> None:
 def test_bad_input_is_refused_clearly() -> None:
     model = make_tiny()
     tokens = random_tokens(2, 6)
-    run = partial(fa.perplexity_curves, model, tokens, verbose=False)
+    run = partial(faithfulness.perplexity_curves, model, tokens, verbose=False)
     for rates in [(-0.1,), (1.5,), (float("nan"),), ()]:
         with pytest.raises(ValueError, match="rate"):
             run(rates=rates)
@@ -585,9 +603,9 @@ def test_bad_input_is_refused_clearly() -> None:
     with pytest.raises(ValueError, match="scope"):
         run(scope="layer")
     with pytest.raises(ValueError, match="empty corpus"):
-        fa.perplexity_curves(model, torch.zeros(0, 6, dtype=torch.long), verbose=False)
+        faithfulness.perplexity_curves(model, torch.zeros(0, 6, dtype=torch.long), verbose=False)
     with pytest.raises(ValueError, match="empty corpus"):
-        fa.perplexity_curves(model, [], verbose=False)
+        faithfulness.perplexity_curves(model, [], verbose=False)
     with pytest.raises(ValueError, match="batch_size"):
         run(batch_size=0)
     with pytest.raises(ValueError, match=r"\.csv or \.parquet"):
@@ -595,24 +613,24 @@ def test_bad_input_is_refused_clearly() -> None:
     with pytest.raises(IndexError, match="out of range"):
         run(layers=[5])
     with pytest.raises(ValueError, match="no items"):
-        fa.task_accuracy_curves(model, [], verbose=False)
-    ranking = fa.source_rankings(model, tokens, ["attention"])["attention"]
+        faithfulness.task_accuracy_curves(model, [], verbose=False)
+    ranking = faithfulness.source_rankings(model, tokens, ["attention"])["attention"]
     with pytest.raises(ValueError, match="exactly one"):
-        fa.masking_hooks(model)
+        mg_hooks.masking_hooks(model)
     with pytest.raises(ValueError, match="exactly one"):
-        fa.masking_hooks(model, mask=torch.zeros(2, 6, 6, dtype=torch.bool), ranking=ranking)
+        mg_hooks.masking_hooks(model, mask=torch.zeros(2, 6, 6, dtype=torch.bool), ranking=ranking)
     with pytest.raises(ValueError, match="rate"):
-        fa.masking_hooks(model, ranking=ranking)
+        mg_hooks.masking_hooks(model, ranking=ranking)
     with pytest.raises(ValueError, match="rate"):
-        fa.masking_hooks(model, ranking=ranking, rate=2.0)
+        mg_hooks.masking_hooks(model, ranking=ranking, rate=2.0)
     with pytest.raises(ValueError, match="unknown mode"):
-        fa.masking_hooks(model, ranking=ranking, rate=0.5, mode="suff")
+        mg_hooks.masking_hooks(model, ranking=ranking, rate=0.5, mode="suff")
     with pytest.raises(TypeError, match="boolean"):
-        fa.masking_hooks(model, mask=torch.zeros(2, 6, 6))
+        mg_hooks.masking_hooks(model, mask=torch.zeros(2, 6, 6))
     with pytest.raises(ValueError, match="not ranked"):
-        fa.masking_hooks(
+        mg_hooks.masking_hooks(
             model,
-            ranking=fa.source_rankings(model, tokens, ["attention"], layers=[0])["attention"],
+            ranking=faithfulness.source_rankings(model, tokens, ["attention"], layers=[0])["attention"],
             rate=0.1,
             layers=[1],
         )
@@ -623,17 +641,17 @@ def test_no_hooks_left_after_a_hook_raises() -> None:
     tokens = random_tokens(2, 6)
     wrong = torch.zeros(3, 6, 6, dtype=torch.bool)  # batch 3 vs 2
     with pytest.raises(ValueError, match="does not fit the pattern"):
-        run_hooks(model, tokens, fa.masking_hooks(model, mask=wrong))
+        run_hooks(model, tokens, mg_hooks.masking_hooks(model, mask=wrong))
     assert not has_hooks(model)
-    ranking = fa.source_rankings(model, tokens[:1], ["attention"])["attention"]
+    ranking = faithfulness.source_rankings(model, tokens[:1], ["attention"])["attention"]
     with pytest.raises(ValueError, match="does not fit the pattern"):
-        run_hooks(model, tokens, fa.masking_hooks(model, ranking=ranking, rate=0.5))
+        run_hooks(model, tokens, mg_hooks.masking_hooks(model, ranking=ranking, rate=0.5))
     assert not has_hooks(model)
 
 
 def test_plot_curves_writes_two_panels(tmp_path) -> None:
     model = make_tiny()
-    frame = fa.perplexity_curves(
+    frame = faithfulness.perplexity_curves(
         model, random_tokens(3, 8), ["attention", "random"], rates=(0.0, 0.5, 1.0), verbose=False
     )
     fig = viz.plot_curves(frame, tmp_path / "c.png", title="tiny")

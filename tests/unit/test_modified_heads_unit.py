@@ -11,12 +11,13 @@ import pytest
 import torch
 from conftest import make_tiny, random_tokens
 
-from mechgeom.analyses.contribution import (
+from mechgeom.analyses.contribution.weights import (
     ContributionCollector,
     contribution_weights,
     contribution_weights_from_cache,
 )
-from mechgeom.analyses.pruning import head_ablation_hooks, head_stats
+from mechgeom.analyses.heads import head_stats
+from mechgeom.analyses.heads.pruning import head_ablation_hooks
 from mechgeom.hooks import LayerCollector, has_hooks, modified_mask
 
 # every test runs on the fused and the plain-torch sweep (conftest.sweep_path)
@@ -201,9 +202,9 @@ def test_modified_mask_against_loops_and_tolerance() -> None:
 
 
 def test_sinks_selection_and_taxonomy_mark_the_modified_head() -> None:
-    from mechgeom.analyses.selection import token_selection
-    from mechgeom.analyses.sinks import sink_statistics
-    from mechgeom.analyses.taxonomy import classify_heads
+    from mechgeom.analyses.heads.taxonomy import classify_heads
+    from mechgeom.analyses.selection.collector import token_selection
+    from mechgeom.analyses.sinks.statistics import sink_statistics
 
     model = make_tiny(n_kv=2, seed=23)
     tokens = random_tokens(2, 10, seed=24)

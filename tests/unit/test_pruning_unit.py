@@ -16,26 +16,28 @@ from conftest import make_tiny, needs_hooked, random_tokens
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import mechgeom.analyses.pruning as pruning
-from mechgeom.analyses.evaluation import perplexity, text_nll
-from mechgeom.analyses.pruning import (
-    SingleHeadResult,
+import mechgeom.analyses.heads.pruning as pruning
+from mechgeom.analyses import heads
+from mechgeom.analyses.heads import (
     entropy_order,
-    head_ablation_hooks,
     head_stats,
-    mad_outliers,
     magnitude_order,
     random_order,
-    retention_curve,
-    retention_curves,
-    retention_levels,
-    score_choices,
-    single_head_sweep,
-    task_accuracy,
     taxonomy_order,
     weight_magnitude,
 )
-from mechgeom.analyses.taxonomy import classify_heads
+from mechgeom.analyses.heads.pruning import (
+    SingleHeadResult,
+    head_ablation_hooks,
+    mad_outliers,
+    retention_curve,
+    retention_curves,
+    retention_levels,
+    single_head_sweep,
+    task_accuracy,
+)
+from mechgeom.analyses.heads.taxonomy import classify_heads
+from mechgeom.analyses.scoring import perplexity, score_choices, text_nll
 from mechgeom.data import TaskItem
 from mechgeom.hooks import has_hooks
 from mechgeom.viz import plot_retention
@@ -167,9 +169,9 @@ def test_no_hooks_left_after_exception(monkeypatch):
     def bad_entropy(pattern):
         raise RuntimeError("entropy failed")
 
-    # head_stats lives in mechgeom.analyses.head_stats (re-exported by pruning): patch it where it is called
+    # head_stats lives in mechgeom.analyses.heads.stats (re-exported by pruning): patch it where it is called
     monkeypatch.setattr(
-        importlib.import_module("mechgeom.analyses.head_stats"), "pattern_entropy", bad_entropy
+        importlib.import_module("mechgeom.analyses.heads.stats"), "pattern_entropy", bad_entropy
     )
     with pytest.raises(RuntimeError, match="entropy failed"):
         head_stats(model, toks)
@@ -381,7 +383,7 @@ def test_single_head_leaderboard_frame():
     expected = math.exp(3.25) - math.exp(1.1)
     assert df.loc[0, "delta_ppl"] == pytest.approx(expected, rel=1e-5)
     assert res.critical(k=5)[["layer", "head"]].values.tolist() == [[1, 0]]
-    assert pruning.single_head_order(res)[-1] == (1, 0)
+    assert heads.single_head_order(res)[-1] == (1, 0)
 
 
 # --------------------------------------------------------------------------- sweep
@@ -417,7 +419,7 @@ def test_batched_removal_equals_each_head_removed_alone(batch_size, start_at_lay
 
 
 def test_head_chunks_cover_every_head_once_within_the_budget():
-    from mechgeom.analyses.head_removal import head_chunks
+    from mechgeom.analyses.heads.removal import head_chunks
 
     for n_heads, n_texts, max_seqs in itertools.product(range(0, 10), range(1, 6), range(1, 20)):
         chunks = head_chunks(n_heads, n_texts, max_seqs)
@@ -563,9 +565,9 @@ def test_head_stats_taxonomy_equals_classify_heads(n_kv):
     assert plain.taxonomy is None
     for name in ("z_mean", "out_norm", "entropy"):  # the taxonomy readers change none of the statistics
         torch.testing.assert_close(getattr(plain, name), getattr(stats, name), atol=1e-6, rtol=1e-6)
-    orders = pruning.head_orders(model, stats)
+    orders = heads.head_orders(model, stats)
     assert orders["taxonomy"] == taxonomy_order(want, stats.out_norm)
-    assert "taxonomy" not in pruning.head_orders(model, plain)
+    assert "taxonomy" not in heads.head_orders(model, plain)
     counts = stats.summary()["taxonomy_counts"]
     assert counts == {str(k): int(v) for k, v in want["label"].value_counts().items()}
     assert sum(counts.values()) == 8
@@ -579,7 +581,7 @@ def test_head_stats_from_cache_and_extra_hooks():
     toks = random_tokens(2, 7, seed=2)
     with torch.no_grad():
         _, cache = model.run_with_cache(toks)
-    a, b = head_stats(model, toks), pruning.head_stats_from_cache(model, cache)
+    a, b = head_stats(model, toks), heads.head_stats_from_cache(model, cache)
     for name in ("z_mean", "out_norm", "entropy"):
         torch.testing.assert_close(getattr(a, name), getattr(b, name), atol=1e-6, rtol=1e-6)
     assert a.n_positions == b.n_positions == 14
@@ -597,7 +599,7 @@ def test_head_table_columns_and_values():
     toks = random_tokens(2, 6, seed=1)
     stats = head_stats(model, toks)
     sweep = single_head_sweep(model, toks)
-    table = pruning.head_table(model, stats, sweep)
+    table = heads.head_table(model, stats, sweep)
     assert list(table.columns) == [
         "layer",
         "head",
@@ -614,25 +616,29 @@ def test_head_table_columns_and_values():
         assert r.delta_ppl == pytest.approx(sweep.delta_ppl[r.layer, r.head].item())
         assert r.out_norm == pytest.approx(stats.out_norm[r.layer, r.head].item())
         assert r.label == labels[(r.layer, r.head)]
-    bare = pruning.head_table(model, head_stats(model, toks, taxonomy=False))
+    bare = heads.head_table(model, head_stats(model, toks, taxonomy=False))
     assert list(bare.columns) == ["layer", "head", "out_norm", "entropy", "weight_magnitude"]
 
 
-def test_moved_names_are_re_exported():
-    import mechgeom.analyses.evaluation as evaluation
-    import mechgeom.analyses.head_orders as head_orders
+def test_moved_names_are_exported_by_their_package():
+    """Each name lives in one module and is exported by its package (``mechgeom.analyses.heads``), by the top
+    level where it is an entry point, and nowhere else: the pruning module re-exports nothing."""
+    import mechgeom
+    import mechgeom.analyses.heads.orders as head_orders
+    import mechgeom.analyses.scoring as evaluation
     import mechgeom.hooks as hooks
 
-    stats_mod = importlib.import_module("mechgeom.analyses.head_stats")
-    assert pruning.score_choices is score_choices is evaluation.score_choices
-    assert pruning.task_accuracy is task_accuracy is evaluation.task_accuracy
-    assert pruning.head_stats is head_stats is stats_mod.head_stats
-    assert pruning.mad_outliers is mad_outliers is head_orders.mad_outliers
-    assert pruning.retention_levels is retention_levels is head_orders.retention_levels
-    assert pruning.AblationMode is hooks.HeadAblationMode
+    stats_mod = importlib.import_module("mechgeom.analyses.heads.stats")
+    assert mechgeom.score_choices is score_choices is evaluation.score_choices
+    assert mechgeom.task_accuracy is task_accuracy is evaluation.task_accuracy
+    assert heads.head_stats is head_stats is stats_mod.head_stats is mechgeom.head_stats
+    assert heads.mad_outliers is mad_outliers is head_orders.mad_outliers
+    assert heads.retention_levels is retention_levels is head_orders.retention_levels
+    assert hooks.HeadAblationMode is not None
     assert {"HeadStats", "head_orders", "taxonomy_order", "weight_magnitude", "RETENTION_LEVELS"} <= set(
-        pruning.__all__
+        heads.__all__
     )
+    assert not {"head_stats", "score_choices", "head_orders"} & set(pruning.__all__)
 
 
 # --------------------------------------------------------------------------- summaries
@@ -666,7 +672,7 @@ def test_single_head_summary_against_statistics_module():
 
 
 def test_retention_summary_comparison_and_taxonomy_wins(monkeypatch):
-    import mechgeom.analyses.evaluation as evaluation
+    import mechgeom.analyses.scoring as evaluation
 
     model = make_tiny(n_layers=2, seed=5)
     monkeypatch.setattr(evaluation, "_encode", lambda _m, text, *, prepend_bos: [ord(c) % 50 for c in text])
@@ -677,7 +683,7 @@ def test_retention_summary_comparison_and_taxonomy_wins(monkeypatch):
     ]
     corpora = {"a": random_tokens(2, 10, seed=1), "b": random_tokens(2, 8, seed=2)}
     stats = head_stats(model, corpora["a"])
-    orders = pruning.head_orders(model, stats, seed=1)
+    orders = heads.head_orders(model, stats, seed=1)
     curves = retention_curves(model, orders, corpora, levels=(1.0, 0.75, 0.5, 0.25), task=("t", items))
     frame = curves.to_frame()
     s = curves.summary()

@@ -1,4 +1,4 @@
-"""Unit tests of mechgeom.analyses.sinks on tiny seeded models, against loop-based references."""
+"""Unit tests of mechgeom.analyses.sinks.statistics on tiny seeded models, against loop-based references."""
 
 from __future__ import annotations
 
@@ -14,30 +14,37 @@ from conftest import make_tiny, random_tokens
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from mechgeom.analyses.contribution import LayerGeometry
-from mechgeom.analyses.evaluation import text_nll
+from mechgeom.analyses.contribution.weights import LayerGeometry
+from mechgeom.analyses.scoring import text_nll
 from mechgeom.analyses.sinks import (
     ConvexityCurves,
-    SinkCollector,
-    SinkResult,
-    affected_heads,
     convex_minimiser,
     convex_norm,
     convexity_by_intervention,
     convexity_check,
     describe_values,
-    kv_groups,
     random_control_positions,
-    resolve_sinks,
     sink_ablation,
-    sink_mass_hooks,
+)
+from mechgeom.analyses.sinks.statistics import (
+    SinkCollector,
+    SinkResult,
     sink_statistics,
     sink_statistics_from_cache,
-    sink_value_hooks,
     spread_sink_heads,
     top_sink_heads,
 )
-from mechgeom.hooks import LayerCollector, has_hooks, hook_name, run_hooks
+from mechgeom.hooks import (
+    LayerCollector,
+    affected_heads,
+    has_hooks,
+    hook_name,
+    kv_groups,
+    resolve_sinks,
+    run_hooks,
+    sink_mass_hooks,
+    sink_value_hooks,
+)
 from mechgeom.viz import plot_cone_shift, plot_convexity_curves, plot_rate_vs_ratio, plot_sink_rate_vs_s_star
 
 # --------------------------------------------------------------------------- loop reference

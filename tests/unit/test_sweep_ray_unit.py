@@ -18,8 +18,8 @@ import pytest
 from conftest import make_tiny, random_tokens
 from sweep_work import TextNLL, items
 
-from mechgeom.analyses import faithfulness as fa
-from mechgeom.analyses import pruning
+from mechgeom.analyses import faithfulness
+from mechgeom.analyses.heads import pruning
 from mechgeom.sweep import (
     LocalExecutor,
     ModelRef,
@@ -50,9 +50,9 @@ def test_ray_faithfulness_curves_equal_the_local_run_row_for_row(tiny_ray, tmp_p
     model = make_tiny(seed=3)
     tokens = random_tokens(6, 10, seed=1)
     kw = dict(metrics=("attention", "contribution", "random"), rates=(0.0, 0.3, 0.7), batch_size=2, n_boot=50)
-    local = fa.perplexity_curves(model, tokens, **kw)
+    local = faithfulness.perplexity_curves(model, tokens, **kw)
     ckpt = tmp_path / "ray.csv"
-    remote = fa.perplexity_curves(model, tokens, checkpoint=ckpt, executor=tiny_ray, **kw)
+    remote = faithfulness.perplexity_curves(model, tokens, checkpoint=ckpt, executor=tiny_ray, **kw)
     pids = tiny_ray.pids
     pd.testing.assert_frame_equal(local.drop(columns="ppl"), remote.drop(columns="ppl"), rtol=1e-5)
     np.testing.assert_allclose(remote["ppl"], local["ppl"], rtol=1e-5)
@@ -61,15 +61,17 @@ def test_ray_faithfulness_curves_equal_the_local_run_row_for_row(tiny_ray, tmp_p
     record = pd.read_csv(tmp_path / "ray.per_text.csv")
     assert not record.duplicated(["metric", "mode", "rate", "unit_hash"]).any()
     # a second sweep on the same actors (the model loaded once), then a resume with nothing left to run
-    other = fa.perplexity_curves(model, tokens, executor=tiny_ray, **{**kw, "modes": ("sufficiency",)})
+    other = faithfulness.perplexity_curves(
+        model, tokens, executor=tiny_ray, **{**kw, "modes": ("sufficiency",)}
+    )
     pd.testing.assert_frame_equal(
-        other, fa.perplexity_curves(model, tokens, **{**kw, "modes": ("sufficiency",)}), rtol=1e-5
+        other, faithfulness.perplexity_curves(model, tokens, **{**kw, "modes": ("sufficiency",)}), rtol=1e-5
     )
     assert tiny_ray.pids == pids
-    again = fa.perplexity_curves(model, tokens, checkpoint=ckpt, executor=tiny_ray, **kw)
+    again = faithfulness.perplexity_curves(model, tokens, checkpoint=ckpt, executor=tiny_ray, **kw)
     pd.testing.assert_frame_equal(again, remote)
     with pytest.raises(ValueError, match="seed: stored 0, now 1"):  # refused before any item is sent
-        fa.perplexity_curves(model, tokens, checkpoint=ckpt, executor=tiny_ray, **{**kw, "seed": 1})
+        faithfulness.perplexity_curves(model, tokens, checkpoint=ckpt, executor=tiny_ray, **{**kw, "seed": 1})
 
 
 def test_ray_single_head_sweep_equals_the_local_one(tiny_ray):

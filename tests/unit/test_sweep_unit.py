@@ -17,8 +17,9 @@ import pytest
 import torch
 from conftest import make_tiny, random_tokens
 
-from mechgeom.analyses import faithfulness as fa
-from mechgeom.analyses import pruning
+from mechgeom.analyses import faithfulness, heads
+from mechgeom.analyses.faithfulness import curves as fa
+from mechgeom.analyses.heads import pruning
 from mechgeom.data import TaskItem
 from mechgeom.sweep import Item, LocalExecutor, RowStore, run_sweep, tokens_hash
 
@@ -183,7 +184,7 @@ def test_items_and_work_functions_pickle_without_their_caches():
 def test_retention_checkpoint_from_another_run_is_refused(tmp_path):
     model = make_tiny(n_layers=2, seed=5)
     corpora = {"a": random_tokens(2, 8, seed=1)}
-    orders = {"random": pruning.random_order(model, 0)}
+    orders = {"random": heads.random_order(model, 0)}
     ckpt = tmp_path / "curves.csv"
     first = pruning.retention_curves(model, orders, corpora, levels=(1.0, 0.5), checkpoint=ckpt)
     on_disk = pd.read_csv(ckpt)
@@ -196,7 +197,7 @@ def test_retention_checkpoint_from_another_run_is_refused(tmp_path):
     with pytest.raises(ValueError, match=r"levels: stored 1\.0,0\.5, now 1\.0,0\.5,0\.2"):
         pruning.retention_curves(model, orders, corpora, levels=(1.0, 0.5, 0.2), checkpoint=ckpt)
     with pytest.raises(ValueError, match="mode: stored zero, now mean"):
-        means = pruning.head_stats(model, random_tokens(2, 8, seed=3))
+        means = heads.head_stats(model, random_tokens(2, 8, seed=3))
         pruning.retention_curves(
             model, orders, corpora, levels=(1.0, 0.5), mode="mean", means=means, checkpoint=ckpt
         )
@@ -206,7 +207,7 @@ def test_retention_checkpoint_from_another_run_is_refused(tmp_path):
     with pytest.raises(ValueError, match="heads: stored 2x4, now 3x4"):
         other = make_tiny(n_layers=3, seed=5)
         pruning.retention_curves(
-            other, {"random": pruning.random_order(other, 0)}, corpora, levels=(1.0, 0.5), checkpoint=ckpt
+            other, {"random": heads.random_order(other, 0)}, corpora, levels=(1.0, 0.5), checkpoint=ckpt
         )
     with pytest.raises(ValueError, match="delete it or choose another checkpoint="):
         pruning.retention_curves(model, orders, corpora, levels=(0.5,), checkpoint=ckpt)
@@ -222,7 +223,7 @@ def test_single_head_checkpoint_refuses_another_model_or_mode(tmp_path):
     pruning.single_head_sweep(make_tiny(n_layers=1, seed=3), toks, heads=[(0, 0)], checkpoint=ckpt)
     with pytest.raises(ValueError, match="heads: stored 1x4, now 2x4"):
         pruning.single_head_sweep(make_tiny(n_layers=2, seed=3), toks, checkpoint=ckpt)
-    means = pruning.head_stats(make_tiny(n_layers=1, seed=3), toks)
+    means = heads.head_stats(make_tiny(n_layers=1, seed=3), toks)
     with pytest.raises(ValueError, match="mode: stored zero, now mean"):
         pruning.single_head_sweep(
             make_tiny(n_layers=1, seed=3), toks, mode="mean", means=means, checkpoint=ckpt
@@ -268,7 +269,7 @@ def test_faithfulness_resumes_after_sigkill(tmp_path):
     script = f"""
         import time
         from conftest import make_tiny, random_tokens
-        from mechgeom.analyses import faithfulness as fa
+        from mechgeom.analyses.faithfulness import curves as fa
         real = fa._masked_scores
         fa._masked_scores = lambda *a, **k: (time.sleep(0.25), real(*a, **k))[1]
         fa.perplexity_curves(make_tiny(), random_tokens(5, 8, seed=2), checkpoint={str(tmp_path / "run.csv")!r}, **{kw!r})
@@ -278,10 +279,10 @@ def test_faithfulness_resumes_after_sigkill(tmp_path):
     killed = pd.read_csv(record)
     assert not (tmp_path / "run.csv").exists()
     model, tokens = make_tiny(), random_tokens(5, 8, seed=2)
-    full = fa.perplexity_curves(model, tokens, checkpoint=tmp_path / "full.csv", **kw)
+    full = faithfulness.perplexity_curves(model, tokens, checkpoint=tmp_path / "full.csv", **kw)
     full_record = pd.read_csv(tmp_path / "full.per_text.csv")
     assert len(killed) < len(full_record)  # it was interrupted mid-way
-    resumed = fa.perplexity_curves(model, tokens, checkpoint=tmp_path / "run.csv", **kw)
+    resumed = faithfulness.perplexity_curves(model, tokens, checkpoint=tmp_path / "run.csv", **kw)
     pd.testing.assert_frame_equal(resumed, full)
     _same_rows(pd.read_csv(record), full_record, ["metric", "mode", "rate", "unit_hash"])
 
@@ -290,7 +291,7 @@ def test_single_head_sweep_resumes_after_sigkill(tmp_path):
     script = f"""
         import time
         from conftest import make_tiny, random_tokens
-        from mechgeom.analyses import pruning
+        from mechgeom.analyses.heads import pruning
         real = pruning._nll_from_layer
         pruning._nll_from_layer = lambda *a, **k: (time.sleep(0.2), real(*a, **k))[1]
         model = make_tiny(n_layers=3, seed=3)
@@ -312,11 +313,12 @@ def test_retention_curves_resume_after_sigkill(tmp_path):
     script = f"""
         import time
         from conftest import make_tiny, random_tokens
-        from mechgeom.analyses import pruning
+        from mechgeom.analyses import heads
+        from mechgeom.analyses.heads import pruning
         real = pruning.retention_curve
         pruning.retention_curve = lambda *a, **k: (time.sleep(0.4), real(*a, **k))[1]
         model = make_tiny(n_layers=2, seed=5)
-        orders = {{f"random{{s}}": pruning.random_order(model, s) for s in range(5)}}
+        orders = {{f"random{{s}}": heads.random_order(model, s) for s in range(5)}}
         corpora = {{"a": random_tokens(2, 8, seed=1), "b": random_tokens(2, 6, seed=2)}}
         pruning.retention_curves(model, orders, corpora, levels=(1.0, 0.5, 0.25), checkpoint={str(tmp_path / "r.csv")!r})
     """
@@ -324,7 +326,7 @@ def test_retention_curves_resume_after_sigkill(tmp_path):
     _kill_when(script, ckpt, lambda f: f["order"].nunique() >= 2)
     killed = pd.read_csv(ckpt)
     model = make_tiny(n_layers=2, seed=5)
-    orders = {f"random{s}": pruning.random_order(model, s) for s in range(5)}
+    orders = {f"random{s}": heads.random_order(model, s) for s in range(5)}
     corpora = {"a": random_tokens(2, 8, seed=1), "b": random_tokens(2, 6, seed=2)}
     kw = dict(levels=(1.0, 0.5, 0.25))
     full = pruning.retention_curves(model, orders, corpora, checkpoint=tmp_path / "full.csv", **kw)
@@ -338,7 +340,7 @@ def test_faithfulness_items_share_one_clean_pass_per_batch_and_aliased_masked_pa
     model, tokens = make_tiny(), random_tokens(5, 8, seed=2)
     kw = dict(rates=(0.0, 0.5, 1.0), batch_size=2, n_boot=50, verbose=False)
     calls = {"clean": 0, "masked": 0}
-    real_clean, real_masked = fa._clean_pass, fa._masked_scores
+    real_clean, real_masked = fa.clean_pass, fa._masked_scores
 
     def clean(*a, **k):
         calls["clean"] += 1
@@ -348,12 +350,14 @@ def test_faithfulness_items_share_one_clean_pass_per_batch_and_aliased_masked_pa
         calls["masked"] += 1
         return real_masked(*a, **k)
 
-    monkeypatch.setattr(fa, "_clean_pass", clean)
+    monkeypatch.setattr(fa, "clean_pass", clean)
     monkeypatch.setattr(fa, "_masked_scores", masked)
-    both = fa.perplexity_curves(model, tokens, ["value_weighted", "value_weighted_normalized"], **kw)
+    both = faithfulness.perplexity_curves(
+        model, tokens, ["value_weighted", "value_weighted_normalized"], **kw
+    )
     # 3 batches: one clean pass each; the two metrics rank alike, so 2 modes x 2 rates passes per batch
     assert calls == {"clean": 3, "masked": 3 * 2 * 2}
-    alone = fa.perplexity_curves(model, tokens, ["value_weighted_normalized"], **kw)
+    alone = faithfulness.perplexity_curves(model, tokens, ["value_weighted_normalized"], **kw)
     shared = both[both["metric"] == "value_weighted_normalized"].reset_index(drop=True)
     pd.testing.assert_frame_equal(shared, alone)
 

@@ -12,8 +12,8 @@ import pytest
 import torch
 from conftest import make_tiny, random_tokens
 
-from mechgeom.analyses.pruning import taxonomy_order
-from mechgeom.analyses.taxonomy import (
+from mechgeom.analyses.heads import taxonomy_order
+from mechgeom.analyses.heads.taxonomy import (
     LABELS,
     TABLE_COLUMNS,
     TaxonomyCollector,

@@ -15,12 +15,14 @@ from conftest import make_tiny, random_tokens
 
 import mechgeom.models
 from mechgeom import cli
-from mechgeom.analyses.contribution import contribution_weights, contribution_weights_from_cache
-from mechgeom.analyses.faithfulness import perplexity_curves, source_rankings
-from mechgeom.analyses.pruning import head_stats, retention_curve, single_head_sweep
-from mechgeom.analyses.selection import token_selection, token_selection_from_cache
-from mechgeom.analyses.sinks import sink_statistics
-from mechgeom.analyses.taxonomy import classify_heads
+from mechgeom.analyses.contribution.weights import contribution_weights, contribution_weights_from_cache
+from mechgeom.analyses.faithfulness import source_rankings
+from mechgeom.analyses.faithfulness.curves import perplexity_curves
+from mechgeom.analyses.heads import head_stats
+from mechgeom.analyses.heads.pruning import retention_curve, single_head_sweep
+from mechgeom.analyses.heads.taxonomy import classify_heads
+from mechgeom.analyses.selection.collector import token_selection, token_selection_from_cache
+from mechgeom.analyses.sinks.statistics import sink_statistics
 
 N_CTX, D_VOCAB = 32, 50  # make_tiny's defaults
 

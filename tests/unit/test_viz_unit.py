@@ -11,9 +11,19 @@ import torch
 from circuitsvis.utils.render import RenderedHTML
 from conftest import make_tiny, random_tokens
 
-from mechgeom.analyses.contribution import contribution_weights
-from mechgeom.viz import NEGATIVE_COLOR, POSITIVE_COLOR, View, head_view, layer_view, save_html, token_view
-from mechgeom.viz.views import circuitsvis_bundle, circuitsvis_script, strip_circuitsvis_bundle
+from mechgeom.analyses.contribution.weights import contribution_weights
+from mechgeom.viz.views import (
+    NEGATIVE_COLOR,
+    POSITIVE_COLOR,
+    View,
+    circuitsvis_bundle,
+    circuitsvis_script,
+    head_view,
+    layer_view,
+    save_html,
+    strip_circuitsvis_bundle,
+    token_view,
+)
 
 BUNDLE = Path(__import__("circuitsvis").__file__).parent / "dist" / "cdn" / "iife.js"
 

@@ -26,10 +26,10 @@ from typing import Any
 import pandas as pd
 
 from mechgeom._io import atomic_write, write_frame
-from mechgeom.analyses.contribution import contribution_weights
-from mechgeom.analyses.contribution_stats import SUMMARY_METRICS
-from mechgeom.analyses.embedding_faithfulness import embedding_curves
-from mechgeom.analyses.sinks import sink_statistics
+from mechgeom.analyses.contribution.stats import SUMMARY_METRICS
+from mechgeom.analyses.contribution.weights import contribution_weights
+from mechgeom.analyses.faithfulness.embedding import embedding_curves
+from mechgeom.analyses.sinks.statistics import sink_statistics
 from mechgeom.data import CORPORA, load_corpus
 from mechgeom.models import load_model
 from mechgeom.report.runs import common_arguments, run_with_threads

@@ -29,13 +29,12 @@ from pathlib import Path
 from typing import Any
 
 from mechgeom._io import atomic_write
-from mechgeom.analyses.contribution import RANKING_METRICS
-from mechgeom.analyses.faithfulness import (
+from mechgeom.analyses.contribution.weights import RANKING_METRICS
+from mechgeom.analyses.faithfulness import area_ordering, faithfulness_summary
+from mechgeom.analyses.faithfulness.curves import (
     DEFAULT_RATES,
     FAITHFULNESS_METRICS,
     MODES,
-    area_ordering,
-    faithfulness_summary,
     perplexity_curves,
     task_accuracy_curves,
 )

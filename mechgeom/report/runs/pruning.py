@@ -4,20 +4,20 @@ Windows: ``--n-texts`` WikiText-2 (test) windows and ``--n-texts`` GSM8K (test) 
 are the evaluation sets; ``--n-ref`` further WikiText-2 windows (disjoint from the evaluation ones: the same
 shuffled document list, the next documents) are the reference set on which every order is built (mean head
 output norm, attention entropy, mean-ablation means and the taxonomy labels, all from the same passes of
-:func:`mechgeom.analyses.head_stats.head_stats`, and the single-head ΔPPL sweep). The downstream task
+:func:`mechgeom.analyses.heads.stats.head_stats`, and the single-head ΔPPL sweep). The downstream task
 (``--task``, ``--n-items`` items) is scored by summed log-likelihood of each choice.
 
 Writes under ``<out>/<model>/``:
 
 - ``heads.csv``: per head ``layer, head, out_norm, entropy, weight_magnitude``, the single-head ``delta_ppl``
-  and the taxonomy ``label`` (:func:`mechgeom.analyses.head_orders.head_table`; no label with
+  and the taxonomy ``label`` (:func:`mechgeom.analyses.heads.orders.head_table`; no label with
   ``--leaderboard-only``);
 - ``leaderboard.csv``: the single-head ablation leaderboard (most harmful first) with the MAD outlier flag;
 - ``sweep_checkpoint_<mode>.csv``: resumable sweep rows; ``retention_<mode>.csv``: resumable retention rows;
 - ``retention.csv`` (tidy), ``comparison.csv`` (per corpus/task and retention level, each order's PPL or
   accuracy and the best order), ``retention_summary.csv`` (mean ΔPPL or accuracy per order);
-- ``summary.json``: headline numbers (:meth:`~mechgeom.analyses.pruning.SingleHeadResult.summary`,
-  :meth:`~mechgeom.analyses.pruning.RetentionCurves.summary`); ``retention.png``.
+- ``summary.json``: headline numbers (:meth:`~mechgeom.analyses.heads.pruning.SingleHeadResult.summary`,
+  :meth:`~mechgeom.analyses.heads.pruning.RetentionCurves.summary`); ``retention.png``.
 
 ``--no-sweep`` skips the single-head sweep (no leaderboard, no ``single_head`` order, no ``delta_ppl``
 column): a quick run of the other orders.
@@ -39,12 +39,9 @@ from typing import Any
 import torch
 
 from mechgeom._io import atomic_write, write_frame
-from mechgeom.analyses.pruning import (
-    ORDERS,
+from mechgeom.analyses.heads import ORDERS, head_orders, head_stats, head_table
+from mechgeom.analyses.heads.pruning import (
     RETENTION_LEVELS,
-    head_orders,
-    head_stats,
-    head_table,
     retention_curves,
     single_head_sweep,
     sweep_exactness,

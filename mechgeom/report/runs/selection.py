@@ -30,13 +30,17 @@ from typing import Any
 import pandas as pd
 
 from mechgeom._io import atomic_write, write_frame
-from mechgeom.analyses.selection import token_selection
-from mechgeom.analyses.taxonomy import classify_heads, label_agreement, label_distribution, regime_summary
+from mechgeom.analyses.heads.taxonomy import (
+    classify_heads,
+    label_agreement,
+    label_distribution,
+    regime_summary,
+)
+from mechgeom.analyses.selection.collector import token_selection
 from mechgeom.data import load_corpus
 from mechgeom.models import load_model
 from mechgeom.report.runs import common_arguments, run_with_threads
-from mechgeom.viz import plot_regime_grid, save_png
-from mechgeom.viz.selection_figures import plot_selection_vs_n
+from mechgeom.viz import plot_regime_grid, plot_selection_vs_n, save_png
 
 __all__ = ["HELP", "add_arguments", "run"]
 

@@ -25,7 +25,8 @@ import pandas as pd
 
 from mechgeom._io import atomic_write, write_frame
 from mechgeom._progress import progress
-from mechgeom.analyses.sinks import convexity_check, sink_ablation, sink_statistics, spread_sink_heads
+from mechgeom.analyses.sinks import convexity_check, sink_ablation
+from mechgeom.analyses.sinks.statistics import sink_statistics, spread_sink_heads
 from mechgeom.data import load_corpus
 from mechgeom.models import load_model
 from mechgeom.report.runs import common_arguments, run_with_threads

@@ -1,7 +1,7 @@
-"""The blocked sweep of :class:`~mechgeom.analyses.contribution_geometry.LayerGeometry` with one fused pass per block.
+"""The blocked sweep of :class:`~mechgeom.analyses.contribution.geometry.LayerGeometry` with one fused pass per block.
 
 Same numbers as the plain-torch sweep (SPEC.md §A; the formulas are those of
-:mod:`mechgeom.analyses.contribution_geometry`, one function each there), arranged so that every product is
+:mod:`mechgeom.analyses.contribution.geometry`, one function each there), arranged so that every product is
 one batched matmul over heads (BLAS) and every element-wise step one pass of the C kernels of
 ``contribution_rows.c``, each metric tensor written once:
 
@@ -16,27 +16,52 @@ one batched matmul over heads (BLAS) and every element-wise step one pass of the
    inter-head ones included (``sqrt(alpha^T G_j alpha)`` as well), each row computed in L1 and written
    with streaming stores (see ``contribution_rows.c``).
 
-Where the kernel is built with OpenMP on PyTorch's own runtime (:func:`mechgeom._native.openmp`), the C
+Where the kernel is built with OpenMP on PyTorch's own runtime (:func:`mechgeom._kernels.build.openmp`), the C
 passes share their rows among ``torch.get_num_threads()`` threads of PyTorch's pool.
 
 It runs where :func:`available` says so: a CPU tensor in float32 or float64, a C compiler on the machine
-(:mod:`mechgeom._native`), and ``MECHGEOM_NATIVE`` not ``0``; everywhere else the plain-torch sweep runs.
+(:mod:`mechgeom._kernels.build`), and ``MECHGEOM_NATIVE`` not ``0``; everywhere else the plain-torch sweep runs.
 """
 
 from __future__ import annotations
 
 import ctypes
-from typing import TYPE_CHECKING, Any
+from collections.abc import Sequence
+from typing import Any, Protocol
 
 import torch
 
-from mechgeom import _native, maths
-from mechgeom.typing import Tensor
+from mechgeom import maths
+from mechgeom._kernels import build
+from mechgeom.typing import WO, Bool, Float, Pattern, Tensor, Values, Z
 
-if TYPE_CHECKING:
-    from mechgeom.analyses.contribution_geometry import LayerGeometry
+__all__ = ["FUSED_BLOCK_SIZE", "SLOTS", "LayerGeometry", "available", "sweep_blocks"]
 
-__all__ = ["SLOTS", "available", "sweep_blocks"]
+#: Queries per block of the fused sweep: smaller blocks waste less of the causal triangle in their matmuls
+#: (the C kernel skips those keys anyway). The measurements behind 64 are in ``docs/architecture.md``.
+FUSED_BLOCK_SIZE = 64
+
+
+class LayerGeometry(Protocol):
+    """What the fused sweep reads of one layer: the activations, the weight Gram and a scratch allocator.
+
+    :class:`mechgeom.analyses.contribution.geometry.LayerGeometry` is the implementation; the kernel names
+    only this protocol, so the native code sits below the analyses and imports none of them.
+    """
+
+    pattern: Pattern
+    v: Values
+    z: Z
+    W_O: WO
+    causal: bool
+    block_size: int | None
+    modified: Bool[Tensor, "batch head_index query_pos"] | None
+
+    @property
+    def wo_gram_full(self) -> Float[Tensor, "head_index d_head head_index2 d_head2"]: ...
+
+    def scratch(self, name: str, shape: Sequence[int]) -> Tensor: ...
+
 
 #: The row kernel's argument slots, in order (see ``contribution_rows.c``).
 SLOTS = (
@@ -79,7 +104,7 @@ _TYPED: dict[int, ctypes.CDLL] = {}  # the library objects whose functions have 
 
 
 def _lib() -> ctypes.CDLL | None:
-    lib = _native.load("mechgeom.analyses", "contribution_rows.c")
+    lib = build.load("mechgeom._kernels", "contribution_rows.c")
     if lib is not None and _TYPED.get(id(lib)) is not lib:
         for name, argtypes in _ARGTYPES.items():
             for suffix in _SUFFIX.values():
@@ -104,7 +129,7 @@ def available(pattern: Tensor) -> bool:
 def _threads(work: int) -> int:
     """Threads for a C call that writes ``work`` entries: PyTorch's count where the kernel shares its pool."""
     lib = _lib()
-    if lib is None or work < _MIN_PARALLEL or not _native.openmp(lib):
+    if lib is None or work < _MIN_PARALLEL or not build.openmp(lib):
         return 1
     return max(1, torch.get_num_threads())
 
@@ -229,8 +254,6 @@ def _rows(
     zeroed: bool,
 ) -> None:
     """The blocks of queries: per block one ``bmm`` for both raw products, then the row kernel over its rows."""
-    from mechgeom.analyses.contribution_geometry import FUSED_BLOCK_SIZE
-
     alpha = ins["alpha"][0]
     B, H, Q, _ = alpha.shape
     D = vh.shape[-1]

@@ -1,8 +1,8 @@
 """Rankings for paper A's faithfulness test (SPEC.md §A): of the sources of each query, from a clean pass,
-and of the metrics, from the curves of :mod:`mechgeom.analyses.faithfulness`.
+and of the metrics, from the curves of :mod:`mechgeom.analyses.faithfulness.curves`.
 
 **Source rankings.** The sources of each query are ranked by a metric of
-:mod:`mechgeom.analyses.contribution` (intra-head metrics rank per head, inter-head metrics rank once per
+:mod:`mechgeom.analyses.contribution.weights` (intra-head metrics rank per head, inter-head metrics rank once per
 layer and apply to every head) or at random; the masking hooks (:func:`mechgeom.hooks.masking_hooks`)
 then remove the top- or bottom-ranked sources. Conventions fixed here (keyword arguments keep the defaults):
 
@@ -13,7 +13,7 @@ then remove the top- or bottom-ranked sources. Conventions fixed here (keyword a
 - **Ranking.** Per query ``i``, only sources ``j <= i`` are ranked (``j > i`` are never counted and
   never removed). Sources are sorted by the **signed** metric value, largest first (rank 0 = top), with
   a stable sort, so ties go to the **lower position first**. A NaN metric value (a zero output norm,
-  see :mod:`mechgeom.analyses.contribution`) ranks **below every finite value**; inside a fully NaN row the
+  see :mod:`mechgeom.analyses.contribution.weights`) ranks **below every finite value**; inside a fully NaN row the
   order is by position.
 - **Per-query normalisation does not change a ranking.** ``value_weighted_normalized`` is
   ``value_weighted`` divided by one positive number per query (``‖o[i,h]‖`` or ``‖o[i]‖``), so both rank
@@ -25,12 +25,12 @@ then remove the top- or bottom-ranked sources. Conventions fixed here (keyword a
   (uint8 up to 256 positions); the hook builds the boolean mask on the fly from ``(rank, rate, mode)``.
 
 A sweep's rankings depend on the model (with its ``extra_hooks``), the layers, the scope and the seed:
-:func:`_settings` is that fingerprint, in a form that is the same in another process.
+:func:`sweep_settings` is that fingerprint, in a form that is the same in another process.
 
 **Metric rankings.** :func:`faithfulness_summary` ranks the metrics by mean ΔPPL and judges paper A's
 claimed order; :func:`area_ordering` orders them by the area under a curve.
 
->>> _rkey(0.1 + 0.2), _unit_hash(torch.tensor([1, 2, 3]))[:1]
+>>> rate_key(0.1 + 0.2), unit_hash(torch.tensor([1, 2, 3]))[:1]
 (0.3, 'u')
 """
 
@@ -48,17 +48,16 @@ import numpy as np
 import pandas as pd
 import torch
 
-from mechgeom.analyses.contribution import (
+from mechgeom.analyses.contribution.weights import (
     INTER_METRICS,
     INTRA_METRICS,
     RANKING_METRICS,
     ContributionCollector,
 )
-from mechgeom.analyses.evaluation import target_logprob
+from mechgeom.analyses.scoring import target_logprob
 from mechgeom.hooks import (
     MODES,
     FwdHook,
-    check_decoder,
     check_index,
     check_mode,
     check_rate,
@@ -91,7 +90,7 @@ FAITHFULNESS_METRICS = (*RANKING_METRICS, "random")
 def _check_rates(rates: Sequence[float]) -> tuple[float, ...]:
     if isinstance(rates, (int, float)):
         rates = (rates,)
-    out = tuple(dict.fromkeys(_rkey(check_rate(r)) for r in rates))
+    out = tuple(dict.fromkeys(rate_key(check_rate(r)) for r in rates))
     if not out:
         raise ValueError("rates is empty; give at least one rate in [0, 1]")
     return out
@@ -127,12 +126,12 @@ def _check_metrics(metrics: Sequence[str], scope: str) -> tuple[str, ...]:
     return out
 
 
-def _rkey(rate: float) -> float:
+def rate_key(rate: float) -> float:
     """Rates are compared and stored rounded to 10 decimals (so CSV round trips match)."""
     return round(float(rate), 10)
 
 
-def _check_common(
+def check_sweep_settings(
     model: Any,
     metrics: Sequence[str],
     rates: Sequence[float],
@@ -141,21 +140,11 @@ def _check_common(
     scope: str,
     batch_size: int,
 ) -> tuple[tuple[str, ...], tuple[float, ...], tuple[str, ...], list[int], str]:
-    """The settings of a sweep on a decoder, checked (:func:`_check_settings`)."""
-    check_decoder(model)
-    return _check_settings(model, metrics, rates, modes, layers, scope, batch_size)
+    """The settings of a sweep, checked: metrics, rates and modes deduplicated in order, the layers.
 
-
-def _check_settings(
-    model: Any,
-    metrics: Sequence[str],
-    rates: Sequence[float],
-    modes: Sequence[str],
-    layers: int | Sequence[int] | None,
-    scope: str,
-    batch_size: int,
-) -> tuple[tuple[str, ...], tuple[float, ...], tuple[str, ...], list[int], str]:
-    """The settings of a sweep, checked: metrics, rates and modes deduplicated in order, the layers."""
+    A decoder sweep checks the model with :func:`~mechgeom.hooks.check_decoder` first; the encoder curves
+    take the same settings.
+    """
     scope = _check_scope(scope)
     metrics_t = _check_metrics(metrics, scope)
     rates_t = _check_rates(rates)
@@ -234,14 +223,14 @@ class SourceRanking:
 # --------------------------------------------------------------------------- rankings from a clean pass
 
 
-def _unit_hash(tokens: Tensor, n_context: int = 0) -> str:
+def unit_hash(tokens: Tensor, n_context: int = 0) -> str:
     """Content hash of one sequence (its tokens and where scoring starts)."""
     h = hashlib.sha1(np.asarray(tokens.detach().cpu(), dtype=np.int64).tobytes())
     h.update(str(n_context).encode())
     return "u" + h.hexdigest()[:16]  # the prefix keeps CSV readers from parsing it as a number
 
 
-def _random_scores(
+def random_scores(
     n_heads: int, length: int, pad_to: int, *, seed: int, unit_hash: str, layer: int
 ) -> Float[Tensor, "head query_pos key_pos"]:
     """Uniform noise for the random control, seeded by ``(seed, unit content hash, layer)``."""
@@ -278,7 +267,7 @@ def ranking_readers(
     return ranks, col.fwd_hooks
 
 
-def _clean_pass(
+def clean_pass(
     model: Any,
     tokens: Tokens,
     targets: Bool[Tensor, "batch pos_minus_1"],
@@ -295,7 +284,7 @@ def _clean_pass(
 
     ``extra_hooks`` are attached first (before the metric readers on the same hook point)."""
     # the random control is seeded by each text's content (its unpadded tokens), not by its batch slot
-    unit_hashes = [_unit_hash(tokens[b, : lengths[b]]) for b in range(tokens.shape[0])]
+    unit_hashes = [unit_hash(tokens[b, : lengths[b]]) for b in range(tokens.shape[0])]
     ranks, readers = ranking_readers(
         model, layers, metrics, scope, lambda scores: rank_sources(scores).to(store_device)
     )
@@ -307,7 +296,7 @@ def _clean_pass(
         for layer in layers:
             scores = torch.stack(
                 [
-                    _random_scores(n_heads, lengths[b], pos, seed=seed, unit_hash=unit_hashes[b], layer=layer)
+                    random_scores(n_heads, lengths[b], pos, seed=seed, unit_hash=unit_hashes[b], layer=layer)
                     for b in range(tokens.shape[0])
                 ]
             )
@@ -347,7 +336,7 @@ def source_rankings(
     tokens = to_tokens(model, tokens_or_text)
     chosen = resolve_layers(model, layers)
     targets = torch.ones(tokens.shape[0], max(tokens.shape[1] - 1, 0), dtype=torch.bool, device=tokens.device)
-    rankings, _, _ = _clean_pass(
+    rankings, _, _ = clean_pass(
         model,
         tokens,
         targets,
@@ -365,7 +354,7 @@ def source_rankings(
 # --------------------------------------------------------------------------- what a ranking depends on
 
 
-def _layers_label(model: Any, layers: list[int]) -> str:
+def layers_label(model: Any, layers: list[int]) -> str:
     return "all" if layers == list(range(int(model.cfg.n_layers))) else ",".join(map(str, layers))
 
 
@@ -396,7 +385,7 @@ def _hooks_label(hooks: Sequence[FwdHook]) -> str:
     return f"{text[:160]}... ({len(hooks)} hooks, sha1 {hashlib.sha1(text.encode()).hexdigest()[:16]})"
 
 
-def _settings(
+def sweep_settings(
     model: Any, layers: list[int], scope: str, seed: int, extra_hooks: Sequence[FwdHook] = ()
 ) -> dict[str, Any]:
     """What a resumed sweep must match: the model, layers, ranking scope and seed. ``extra_hooks`` make
@@ -405,7 +394,7 @@ def _settings(
     label = model_label(model)
     if extra_hooks:
         label += f" + extra_hooks {_hooks_label(extra_hooks)}"
-    return {"model": label, "layers": _layers_label(model, layers), "scope": scope, "seed": seed}
+    return {"model": label, "layers": layers_label(model, layers), "scope": scope, "seed": seed}
 
 
 # --------------------------------------------------------------------------- ranking the metrics

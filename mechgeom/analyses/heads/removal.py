@@ -1,4 +1,4 @@
-"""Batched single-head removal for :func:`mechgeom.analyses.pruning.single_head_sweep`.
+"""Batched single-head removal for :func:`mechgeom.analyses.heads.pruning.single_head_sweep`.
 
 **Copies.** To evaluate ``K`` heads of one layer in one forward, the batch of ``n`` texts (their tokens,
 or their clean residual stream at ``blocks.{l}.hook_resid_pre``) is repeated ``K`` times, copy-major:
@@ -9,7 +9,7 @@ never interact in a forward, so copy ``k`` gives what a forward with ``h_k`` rem
 rounding: the matrix products are blocked differently).
 
 **Memory.** A forward holds at most ``COPIES_PER_BATCH * batch_size`` sequences (and at least one head's
-texts), so its peak memory stays within about twice that of a :func:`~mechgeom.analyses.evaluation.text_nll`
+texts), so its peak memory stays within about twice that of a :func:`~mechgeom.analyses.scoring.text_nll`
 batch of ``batch_size`` texts; the heads of a layer are split evenly over as few forwards as that allows.
 """
 

@@ -1,11 +1,11 @@
 /* The element-wise parts of SPEC.md §A's metric family: the per-token value Gram from its products, the
  * output norms, and every metric of a block of query rows in one pass per row.
  *
- * Built on first use by mechgeom/_native.py (`cc -O3 -shared`, with `-fopenmp` where PyTorch's own OpenMP
+ * Built on first use by mechgeom/_kernels/build.py (`cc -O3 -shared`, with `-fopenmp` where PyTorch's own OpenMP
  * runtime, libgomp, is loaded: the `omp parallel` regions below then run on PyTorch's thread pool) and called
- * through ctypes by mechgeom/analyses/contribution_fused.py, which computes the products (BLAS matmuls),
+ * through ctypes by mechgeom/_kernels/fused.py, which computes the products (BLAS matmuls),
  * checks every shape and gives the strides. The formulas are those of
- * mechgeom/analyses/contribution_geometry.py (SPEC.md §A), one function each there. `n_threads` <= 1 runs
+ * mechgeom/analyses/contribution/geometry.py (SPEC.md §A), one function each there. `n_threads` <= 1 runs
  * a function on the calling thread; without OpenMP the pragmas are ignored and everything runs there.
  *
  * The file includes itself twice, for float (`_f32`) and double (`_f64`).
@@ -83,7 +83,7 @@ typedef double mg_vec_f64 __attribute__((vector_size(64)));
 #define MG_SQRT sqrtf
 #define MG_LINE line_f32
 #define MG_VEC mg_vec_f32
-#include "contribution_rows.c" /* this file, by name: _native compiles it from a folder of its own */
+#include "contribution_rows.c" /* this file, by name: mechgeom._kernels.build compiles it from a folder of its own */
 #undef MG_T
 #undef MG_SFX
 #undef MG_SQRT
@@ -95,7 +95,7 @@ typedef double mg_vec_f64 __attribute__((vector_size(64)));
 #define MG_SQRT sqrt
 #define MG_LINE line_f64
 #define MG_VEC mg_vec_f64
-#include "contribution_rows.c" /* this file, by name: _native compiles it from a folder of its own */
+#include "contribution_rows.c" /* this file, by name: mechgeom._kernels.build compiles it from a folder of its own */
 
 #else /* the functions, for one MG_T */
 #define T MG_T

@@ -7,7 +7,7 @@ to ``1-s``) must match the closed form."
 
 With a sink set ``S`` the sink vector is ``vt_S[i] = sum_{s in S} alpha[h,i,s] vt[s,h] / sum_{s in S}
 alpha[h,i,s]`` (``vt[0,h]`` for the default sink) and ``m[i,h]`` the non-sink mean (see
-:mod:`mechgeom.analyses.sinks`). The closed form needs three numbers per query, ``‖vt_S‖²``,
+:mod:`mechgeom.analyses.sinks.statistics`). The closed form needs three numbers per query, ``‖vt_S‖²``,
 ``<vt_S, m>`` and ``‖m‖²`` (:func:`convexity_terms`, in ``d_head`` with the Gram matrices
 :func:`mechgeom.maths.wo_gram`); :func:`convexity_by_intervention` measures the curve with
 :func:`mechgeom.hooks.sink_mass_hooks`, and :func:`convexity_check` sets the two side by side.
@@ -25,7 +25,7 @@ import pandas as pd
 import torch
 
 from mechgeom._progress import progress
-from mechgeom.analyses.contribution import LayerGeometry
+from mechgeom.analyses.contribution.weights import LayerGeometry
 from mechgeom.hooks import (
     LayerActivations,
     LayerCollector,

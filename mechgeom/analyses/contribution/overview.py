@@ -2,7 +2,7 @@
 
 :func:`contribution_overview` runs :class:`~mechgeom.analyses.contribution.ContributionCollector` batch by
 batch and reduces each layer at once to the ``(sum, count)`` pairs of
-:mod:`mechgeom.analyses.contribution_stats`; :meth:`ContributionResult.summary` gives the same numbers for a
+:mod:`mechgeom.analyses.contribution.stats`; :meth:`ContributionResult.summary` gives the same numbers for a
 result in memory.
 """
 
@@ -14,12 +14,15 @@ from typing import Any
 
 import pandas as pd
 
-from mechgeom.analyses.contribution import ContributionCollector, ContributionResult
-from mechgeom.analyses.contribution_stats import SUMMARY_METRICS, ScoreTotals, overview_summary, view_layer_of
+from mechgeom.analyses.contribution.stats import SUMMARY_METRICS, ScoreTotals, overview_summary, view_layer_of
+from mechgeom.analyses.contribution.weights import ContributionCollector, ContributionResult
 from mechgeom.hooks import FwdHook, run_batches, to_tokens, token_strings
 from mechgeom.typing import Tensor
 
-__all__ = ["ContributionOverview", "contribution_overview"]
+__all__ = [
+    "ContributionOverview",
+    "contribution_overview",
+]
 
 
 @dataclass
@@ -27,7 +30,7 @@ class ContributionOverview:
     """Headline statistics of contribution weights over a corpus (:func:`contribution_overview`).
 
     ``heads``: one row per ``(layer, head)``, columns ``layer, head`` and the statistics of
-    :func:`~mechgeom.analyses.contribution_stats.score_sums` (``sink_attention``,
+    :func:`~mechgeom.analyses.contribution.stats.score_sums` (``sink_attention``,
     ``sink_value_weighted_normalized``, ``sink_contribution``, ``negative_share``, ``top1_agreement``,
     ``tv_attention_contribution``: means over texts and queries ``i >= 1``); ``layers``: the same
     statistics of the whole-layer (inter-head) metrics, one row per layer. ``view_layer`` is the layer of
@@ -65,7 +68,7 @@ def contribution_overview(
 
     Streams :class:`ContributionCollector` (``on_layer``) with the metrics ``attention``,
     ``value_weighted_normalized`` and ``contribution``: each layer's metrics are reduced to ``(sum, count)``
-    pairs (:class:`~mechgeom.analyses.contribution_stats.ScoreTotals`) as soon as they are computed, so
+    pairs (:class:`~mechgeom.analyses.contribution.stats.ScoreTotals`) as soon as they are computed, so
     memory stays at one layer of one batch (plus text 0 of each layer for the view). ``verbose`` shows a
     progress bar over the batches.
 

@@ -16,7 +16,7 @@ Choices fixed here:
 - **Cost**: everything is ``[batch, head, q, k]`` work plus ``[batch, head, q, d]`` vectors; no ``[q, k, d]``
   tensor is built.
 
-The certificate and the sink-aware bound are in :mod:`mechgeom.analyses.selection_bounds`; one layer's
+The certificate and the sink-aware bound are in :mod:`mechgeom.analyses.selection.bounds`; one layer's
 quantities together in :func:`mechgeom.analyses.selection.layer_selection`.
 """
 
@@ -51,7 +51,7 @@ Mask = Bool[Tensor, "*batch query_pos key_pos"]
 # --------------------------------------------------------------------------- input checks
 
 
-def _check_ns(ns: int | Sequence[int]) -> list[int]:
+def check_ns(ns: int | Sequence[int]) -> list[int]:
     out = [ns] if isinstance(ns, int) else list(ns)
     if not out:
         raise ValueError("ns is empty; give at least one N (e.g. (1, 2, 4, 8, 16, 32))")
@@ -62,7 +62,7 @@ def _check_ns(ns: int | Sequence[int]) -> list[int]:
     return [int(n) for n in out]
 
 
-def _check_pattern_v(pattern: Tensor, v: Tensor) -> None:
+def check_pattern_v(pattern: Tensor, v: Tensor) -> None:
     if pattern.ndim != 4 or pattern.shape[-1] != pattern.shape[-2]:
         raise ValueError(f"pattern must be [batch, head, q, k] with q == k, got {tuple(pattern.shape)}")
     if v.ndim != 4:
@@ -75,7 +75,7 @@ def _check_pattern_v(pattern: Tensor, v: Tensor) -> None:
         )
 
 
-def _check_dtype(dtype: torch.dtype) -> None:
+def check_dtype(dtype: torch.dtype) -> None:
     if dtype not in (torch.float32, torch.float64):
         raise ValueError(
             f"dtype must be torch.float32 (the default) or torch.float64 (exact F_N near ties), got {dtype}"

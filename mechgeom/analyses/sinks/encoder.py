@@ -5,7 +5,7 @@ start and ``[SEP]`` at the end of each text, whose position depends on the text'
 ``sink_positions`` may name them (``["[CLS]", "[SEP]"]``, or mix names and positions); each name is resolved
 in each text to the one position where that token stands (:func:`mechgeom.hooks.sink_positions_per_text`).
 
-The statistics are those of :mod:`mechgeom.analyses.sinks`, with two encoder rules:
+The statistics are those of :mod:`mechgeom.analyses.sinks.statistics`, with two encoder rules:
 
 - **Queries.** Every query sees every key, so ``Q`` is every position (the sinks' own queries included),
   and the non-sink tokens are every ``j ∉ S`` (no ``j <= i``).
@@ -23,11 +23,14 @@ from typing import Any
 
 import torch
 
-from mechgeom.analyses.sink_geometry import SinkCollector, SinkResult
+from mechgeom.analyses.sinks.geometry import SinkCollector, SinkResult
 from mechgeom.hooks import FwdHook, TokensOrText, collect, padding_mask, sink_positions_per_text, to_tokens
 from mechgeom.typing import Tensor
 
-__all__ = ["encoder_sink_statistics", "merge_sink_results"]
+__all__ = [
+    "encoder_sink_statistics",
+    "merge_sink_results",
+]
 
 #: Per-query fields of a SinkResult (``[n, layer, head, q]``), padded with NaN (``modified``: False).
 _PER_QUERY = ("sink_mass", "sq_sink", "cross", "sq_mean")

@@ -12,7 +12,7 @@ position* ``i >= start_pos`` (default ``start_pos=0``: all positions, the sink p
   mean by the same factor and leaves the entropy order unchanged.
 
 With ``taxonomy=True`` the same passes also feed a
-:class:`~mechgeom.analyses.taxonomy.TaxonomyCollector`, so the labels of the taxonomy order come without a
+:class:`~mechgeom.analyses.heads.taxonomy.TaxonomyCollector`, so the labels of the taxonomy order come without a
 second pass (:attr:`HeadStats.taxonomy`).
 
 The weights give the magnitude baseline, ``‖W_V[h] W_O[h]‖_F`` (:func:`weight_magnitude`).
@@ -29,7 +29,7 @@ import numpy as np
 import pandas as pd
 import torch
 
-from mechgeom.analyses.taxonomy import TaxonomyCollector, TaxonomyResult
+from mechgeom.analyses.heads.taxonomy import TaxonomyCollector, TaxonomyResult
 from mechgeom.hooks import (
     FwdHook,
     LayerActivations,
@@ -151,7 +151,7 @@ class HeadStatsCollector:
 
     ``fwd_hooks`` read ``hook_pattern``, ``hook_v`` and ``hook_z``; sums add up over forward passes (or
     :meth:`feed_cache` calls); :meth:`result` divides. With ``taxonomy=True`` a
-    :class:`~mechgeom.analyses.taxonomy.TaxonomyCollector` reads the same hooks.
+    :class:`~mechgeom.analyses.heads.taxonomy.TaxonomyCollector` reads the same hooks.
     """
 
     def __init__(
@@ -233,7 +233,7 @@ def head_stats(
     ``out_norm`` (mean ``‖z[b,i,h] @ W_O[h]‖``, :func:`head_output_norm`) and ``entropy`` (mean
     :func:`pattern_entropy` over query rows ``i >= start_pos``). The forward stops before the unembedding.
     With ``taxonomy`` (default) the same passes label every head
-    (:class:`~mechgeom.analyses.taxonomy.TaxonomyCollector` with ``sink_positions``), kept in
+    (:class:`~mechgeom.analyses.heads.taxonomy.TaxonomyCollector` with ``sink_positions``), kept in
     :attr:`HeadStats.taxonomy`. ``extra_hooks`` run in the same passes, before the readers.
     """
     if start_pos < 0:

@@ -6,15 +6,15 @@
 and keeps ``b_O``. :func:`head_ablation_hooks` returns ordinary ``(hook_name, fn)`` pairs, one per layer
 touched, so they compose with other hooks and with ``transformer_lens.patching``.
 
-The reference statistics live in :mod:`mechgeom.analyses.head_stats`; the orders, the retention levels
-and the critical-head flag (``ΔPPL > median + k * MAD``) in :mod:`mechgeom.analyses.head_orders`; the loss
-and the multiple-choice scoring in :mod:`mechgeom.analyses.evaluation`. Their public names are re-exported.
+The reference statistics live in :mod:`mechgeom.analyses.heads.stats`; the orders, the retention levels
+and the critical-head flag (``ΔPPL > median + k * MAD``) in :mod:`mechgeom.analyses.heads.orders`; the loss
+and the multiple-choice scoring in :mod:`mechgeom.analyses.scoring`. Their public names are re-exported.
 
 **Speed.** Removing a head of layer ``l`` changes nothing before layer ``l``. :func:`single_head_sweep`
 therefore runs the clean model block by block, keeps only the residual stream at the current layer's input
 (``blocks.{l}.hook_resid_pre``) and runs each of layer ``l``'s ablations from there with
 ``model(resid, start_at_layer=l, tokens=..., return_type="loss")``; the result equals the full forward.
-The heads of one layer run together, one copy of the batch per head (:mod:`mechgeom.analyses.head_removal`).
+The heads of one layer run together, one copy of the batch per head (:mod:`mechgeom.analyses.heads.removal`).
 """
 
 from __future__ import annotations
@@ -31,48 +31,34 @@ import pandas as pd
 import torch
 
 from mechgeom._progress import progress
-from mechgeom.analyses.evaluation import encode_choices, score_choices, task_accuracy, text_nll, token_nll  # noqa: F401
 
 # the statistics and the orders moved to their own modules; their public names are re-exported here
-from mechgeom.analyses.head_orders import *  # noqa: F403
-from mechgeom.analyses.head_orders import (
+from mechgeom.analyses.heads.orders import (
     RETENTION_LEVELS,
-    _all_heads,
+    all_heads,
     compare_orders,
     mad_outliers,
     retention_levels,
     taxonomy_wins,
 )
-from mechgeom.analyses.head_orders import __all__ as _orders_all
-from mechgeom.analyses.head_removal import COPIES_PER_BATCH, batched_head_nll, clean_resid, text_batches
-from mechgeom.analyses.head_stats import *  # noqa: F403
-from mechgeom.analyses.head_stats import HeadStats
-from mechgeom.analyses.head_stats import __all__ as _stats_all
+from mechgeom.analyses.heads.removal import COPIES_PER_BATCH, batched_head_nll, clean_resid, text_batches
+from mechgeom.analyses.heads.stats import HeadStats
+from mechgeom.analyses.scoring import encode_choices, task_accuracy, text_nll, token_nll
 from mechgeom.data import TaskItem
 from mechgeom.hooks import FwdHook, Head, head_ablation_hooks, resolve_head_set, to_tokens
-from mechgeom.hooks import HeadAblationMode as AblationMode  # head removal modes (hooks.interventions)
+from mechgeom.hooks.interventions import HeadAblationMode as AblationMode
 from mechgeom.models import is_bridge
 from mechgeom.sweep import Executor, Item, RowStore, executor_for, model_label, run_sweep, tokens_hash
 from mechgeom.typing import Float, Tensor, Tokens
 
-__all__ = sorted(
-    {
-        *_orders_all,
-        *_stats_all,
-        "AblationMode",
-        "Head",
-        "RetentionCurves",
-        "SingleHeadResult",
-        "head_ablation_hooks",
-        "resolve_head_set",
-        "retention_curve",
-        "retention_curves",
-        "score_choices",
-        "single_head_sweep",
-        "sweep_exactness",
-        "task_accuracy",
-    }
-)
+__all__ = [
+    "RetentionCurves",
+    "SingleHeadResult",
+    "retention_curve",
+    "retention_curves",
+    "single_head_sweep",
+    "sweep_exactness",
+]
 
 
 # --------------------------------------------------------------------------- single-head sweep
@@ -89,7 +75,7 @@ def _tokens_key(tokens: Tokens) -> str:
 class _HeadWork:
     """The work of one item ``key = (layer, *heads)``: every text's NLL with each of those heads of
     ``layer`` removed alone (picklable), the heads run together in copies
-    (:func:`~mechgeom.analyses.head_removal.batched_head_nll`, at most ``COPIES_PER_BATCH * batch_size``
+    (:func:`~mechgeom.analyses.heads.removal.batched_head_nll`, at most ``COPIES_PER_BATCH * batch_size``
     sequences per forward).
 
     On the ``start_at_layer`` path the clean residual stream of every batch is cached per worker at the
@@ -142,7 +128,7 @@ def _nll_from_layer(
 ) -> Float[Tensor, " batch"]:
     """Mean next-token NLL per text, running the model from ``resid`` = ``blocks.{layer}.hook_resid_pre``.
 
-    The loss of :func:`mechgeom.analyses.evaluation.token_nll` (as :func:`~mechgeom.analyses.evaluation.text_nll`),
+    The loss of :func:`mechgeom.analyses.scoring.token_nll` (as :func:`~mechgeom.analyses.scoring.text_nll`),
     mean over positions.
     """
     return token_nll(model, resid, fwd_hooks, start_at_layer=layer, tokens=tokens).mean(dim=-1)
@@ -162,7 +148,7 @@ class SingleHeadResult:
 
     @property
     def ppl(self) -> Float[Tensor, "layer head_index"]:
-        """``exp`` of the mean NLL over texts (equal-length windows), as :func:`mechgeom.analyses.evaluation.perplexity`."""
+        """``exp`` of the mean NLL over texts (equal-length windows), as :func:`mechgeom.analyses.scoring.perplexity`."""
         return torch.exp(self.nll.mean(dim=-1))
 
     @property
@@ -264,7 +250,7 @@ def single_head_sweep(
     and each head of layer ``l`` is evaluated from ``blocks.{l}.hook_resid_pre`` (exact: earlier layers do
     not see the removal); otherwise from the tokens, full forwards (always so on a ``TransformerBridge``,
     where that is the faster path). Either way the heads of a layer share forwards, one copy of each text
-    batch per head (:mod:`mechgeom.analyses.head_removal`; at most ``2 * batch_size`` sequences per
+    batch per head (:mod:`mechgeom.analyses.heads.removal`; at most ``2 * batch_size`` sequences per
     forward). ``checkpoint`` (a ``.csv``/``.parquet`` path) records each layer's rows as soon as its heads
     finish and resumes from them (:mod:`mechgeom.sweep`; heads already on file are not recomputed, a layer
     cut off mid-way is rerun); a file written for another model, other tokens or another mode is refused
@@ -274,7 +260,7 @@ def single_head_sweep(
     """
     tokens = to_tokens(model, tokens, min_pos=2, what="the single-head sweep (a token to predict)")
     n_layers, n_heads, n_texts = int(model.cfg.n_layers), int(model.cfg.n_heads), tokens.shape[0]
-    wanted = resolve_head_set(model, _all_heads(model) if heads is None else heads)
+    wanted = resolve_head_set(model, all_heads(model) if heads is None else heads)
     head_ablation_hooks(model, [], mode=mode, means=means)  # checks mode and means before any work
     settings = {
         "model": model_label(model),
@@ -465,11 +451,11 @@ class RetentionCurves:
 
     def comparison(self) -> pd.DataFrame:
         """Each order's PPL (accuracy) per corpus/task and retention < 100%, and the best order
-        (:func:`~mechgeom.analyses.head_orders.compare_orders`)."""
+        (:func:`~mechgeom.analyses.heads.orders.compare_orders`)."""
         return compare_orders(self.frame)
 
     def taxonomy_wins(self) -> dict[str, Any]:
-        """Where the taxonomy order beats each baseline (:func:`~mechgeom.analyses.head_orders.taxonomy_wins`)."""
+        """Where the taxonomy order beats each baseline (:func:`~mechgeom.analyses.heads.orders.taxonomy_wins`)."""
         return taxonomy_wins(self.comparison())
 
     def summary(self) -> dict[str, Any]:

@@ -6,11 +6,11 @@ Every statistic is a mean over texts and queries ``i >= 1`` (query 0 has a singl
 ``(sum, count)`` pair per head so that batches of texts add up exactly (:func:`score_sums`,
 :func:`add_sums`, :func:`finish_sums`); :class:`ScoreTotals` keeps those pairs per layer, for the heads and
 for the whole layer. The streamed overview over a corpus is
-:func:`mechgeom.analyses.contribution_overview.contribution_overview`; the same numbers from a result in memory are
+:func:`mechgeom.analyses.contribution.overview.contribution_overview`; the same numbers from a result in memory are
 :meth:`mechgeom.analyses.contribution.ContributionResult.summary` (:func:`result_summary`).
 
 This module computes statistics of metric tensors only; it imports no collector, so that
-:mod:`mechgeom.analyses.contribution` can use it.
+:mod:`mechgeom.analyses.contribution.weights` can use it.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Certificates and the sink-aware lower bound on ``F_N`` (SPEC.md §B), with their tie tolerances.
 
-``F_N`` (:func:`mechgeom.analyses.selection_geometry.extreme_f_score`) is bounded from below twice:
+``F_N`` (:func:`mechgeom.analyses.selection.geometry.extreme_f_score`) is bounded from below twice:
 
 - the **inversion certificate** (:func:`inversion_certificate`) from the distances ``d_j`` themselves;
 - the **sink-aware bound** (:func:`sink_aware_bound`) from ``alpha`` and the per-head regime parameters of
@@ -22,8 +22,8 @@ import numpy as np
 import pandas as pd
 import torch
 
-from mechgeom.analyses.selection_geometry import HQ, HQK, Mask
-from mechgeom.hooks.masks import check_sink_positions
+from mechgeom.analyses.selection.geometry import HQ, HQK, Mask
+from mechgeom.hooks import check_sink_positions
 from mechgeom.typing import Bool, Float, Int, Pattern, Tensor, Values
 
 __all__ = [

@@ -7,11 +7,11 @@ For one layer (batch ``b``, head ``h``, query ``i``, source ``j <= i``), with ``
   layer output ``o[i] = sum_h o[i,h]``, **without** ``b_O``.
 
 The metrics are computed layer by layer, in blocks of queries, by
-:class:`~mechgeom.analyses.contribution_geometry.LayerGeometry` (one ``q x k`` product in ``d_head`` per
+:class:`~mechgeom.analyses.contribution.geometry.LayerGeometry` (one ``q x k`` product in ``d_head`` per
 head and metric; entries above the diagonal, ``key > query``, are exactly 0, factors included).
 Headline statistics (sink shares, negative share, top-1 agreement, TV) are
-:mod:`mechgeom.analyses.contribution_stats`: :meth:`ContributionResult.summary` for a result in memory,
-:func:`~mechgeom.analyses.contribution_overview.contribution_overview` streamed over a corpus.
+:mod:`mechgeom.analyses.contribution.stats`: :meth:`ContributionResult.summary` for a result in memory,
+:func:`~mechgeom.analyses.contribution.overview.contribution_overview` streamed over a corpus.
 
 **Zero output norm.** Where ``‖o[i,h]‖ = 0`` (or ``‖o[i]‖ = 0`` for inter-head metrics and head shares)
 the normalised metrics of that row are NaN at every source ``j <= i``: never a crash, never a silent 0.
@@ -46,8 +46,8 @@ import pandas as pd
 import torch
 
 from mechgeom._progress import progress
-from mechgeom.analyses.contribution_geometry import BLOCK_SIZE, INTER_METRICS, INTRA_METRICS, LayerGeometry
-from mechgeom.analyses.contribution_stats import SUMMARY_METRICS, result_summary, special_token_frame
+from mechgeom.analyses.contribution.geometry import INTER_METRICS, INTRA_METRICS, LayerGeometry
+from mechgeom.analyses.contribution.stats import SUMMARY_METRICS, result_summary, special_token_frame
 from mechgeom.hooks import (
     FwdHook,
     LayerActivations,
@@ -62,13 +62,9 @@ from mechgeom.hooks import (
 from mechgeom.typing import Bool, Float, Tensor, Tokens
 
 __all__ = [
-    "BLOCK_SIZE",
-    "INTER_METRICS",
-    "INTRA_METRICS",
     "RANKING_METRICS",
     "ContributionCollector",
     "ContributionResult",
-    "LayerGeometry",
     "contribution_weights",
     "contribution_weights_from_cache",
     "reconstruct_attn_out",
@@ -144,7 +140,7 @@ class ContributionResult:
 
         ``{"n_heads", "n_texts", "sink_attention", "sink_contribution", "sink_value_weighted_normalized",
         "negative_share", "top1_agreement", "view_layer", "view_layer_tv"}``: means over heads of the
-        per-head statistics of :func:`~mechgeom.analyses.contribution_stats.score_sums` (texts and queries
+        per-head statistics of :func:`~mechgeom.analyses.contribution.stats.score_sums` (texts and queries
         ``i >= 1``), and the layer of largest whole-layer TV between attention and contribution with that
         TV. Needs the intra- and inter-head metrics ``attention``, ``value_weighted_normalized`` and
         ``contribution`` (a ``ValueError`` names any that is missing). For an encoder, ``[CLS]`` and ``[SEP]``
@@ -164,7 +160,7 @@ class ContributionResult:
 
     def special_token_frame(self) -> pd.DataFrame:
         """An encoder's ``[CLS]`` and ``[SEP]`` under attention, output-normalised value weight and contribution,
-        per (layer, head): :func:`~mechgeom.analyses.contribution_stats.special_token_frame`."""
+        per (layer, head): :func:`~mechgeom.analyses.contribution.stats.special_token_frame`."""
         return special_token_frame(self.layers, self.intra, self.key_mask)
 
     def to_frame(

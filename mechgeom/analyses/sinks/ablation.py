@@ -21,8 +21,8 @@ import einops
 import pandas as pd
 import torch
 
-from mechgeom.analyses.contribution import LayerGeometry
-from mechgeom.analyses.evaluation import bootstrap_ci, text_nll
+from mechgeom.analyses.contribution.weights import LayerGeometry
+from mechgeom.analyses.scoring import bootstrap_ci, text_nll
 from mechgeom.hooks import (
     FwdHook,
     LayerActivations,
@@ -214,7 +214,7 @@ def sink_ablation(
     (:func:`random_control_positions` with ``seed``) in the same layers and heads with the same mode.
 
     Three passes (clean, sink, control; each one NLL pass with readers attached) measure the NLL
-    (``mechgeom.analyses.evaluation.text_nll``), the head-output norms and the cone cosines. ``clean`` reuses
+    (``mechgeom.analyses.scoring.text_nll``), the head-output norms and the cone cosines. ``clean`` reuses
     the clean pass of an earlier result on the same tokens and sink set (for per-layer sweeps).
     """
     tokens = to_tokens(model, tokens_or_text)

@@ -28,7 +28,7 @@ import numpy as np
 import pandas as pd
 import torch
 
-from mechgeom.analyses.head_stats import HeadStats, weight_magnitude
+from mechgeom.analyses.heads.stats import HeadStats, weight_magnitude
 from mechgeom.hooks import Head
 from mechgeom.typing import Float, Tensor
 
@@ -61,7 +61,7 @@ RETENTION_LEVELS = tuple(k / 10 for k in range(10, 0, -1))
 
 
 class SweepLike(Protocol):
-    """What the single-head order reads of a :class:`~mechgeom.analyses.pruning.SingleHeadResult`."""
+    """What the single-head order reads of a :class:`~mechgeom.analyses.heads.pruning.SingleHeadResult`."""
 
     @property
     def nll(self) -> Float[Tensor, "layer head_index text"]: ...
@@ -70,7 +70,7 @@ class SweepLike(Protocol):
     def delta_ppl(self) -> Float[Tensor, "layer head_index"]: ...
 
 
-def _all_heads(model: Any) -> list[Head]:
+def all_heads(model: Any) -> list[Head]:
     return [
         (layer, head) for layer in range(int(model.cfg.n_layers)) for head in range(int(model.cfg.n_heads))
     ]
@@ -125,12 +125,12 @@ def taxonomy_order(table: pd.DataFrame, head_norms: Tensor | np.ndarray | None =
 
 
 def magnitude_order(model: Any) -> list[Head]:
-    """Ascending ``‖W_V[h] W_O[h]‖_F`` (:func:`~mechgeom.analyses.head_stats.weight_magnitude`): the smallest is removed first."""
+    """Ascending ``‖W_V[h] W_O[h]‖_F`` (:func:`~mechgeom.analyses.heads.stats.weight_magnitude`): the smallest is removed first."""
     return _order_by(weight_magnitude(model))
 
 
 def entropy_order(entropy: HeadStats | Tensor, *, highest_first: bool = True) -> list[Head]:
-    """By mean attention entropy (:func:`~mechgeom.analyses.head_stats.head_stats`); by default the highest
+    """By mean attention entropy (:func:`~mechgeom.analyses.heads.stats.head_stats`); by default the highest
     (least selective) first."""
     ent = entropy.entropy if isinstance(entropy, HeadStats) else entropy
     return _order_by(ent, descending=highest_first)
@@ -138,7 +138,7 @@ def entropy_order(entropy: HeadStats | Tensor, *, highest_first: bool = True) ->
 
 def random_order(model: Any, seed: int = 0) -> list[Head]:
     """A uniformly random permutation of all heads, reproducible from ``seed`` (numpy ``default_rng``)."""
-    heads = _all_heads(model)
+    heads = all_heads(model)
     perm = np.random.default_rng(seed).permutation(len(heads))
     return [heads[k] for k in perm]
 
@@ -162,7 +162,7 @@ def head_orders(
     """Every order that the inputs allow: magnitude, entropy, random always; taxonomy and single_head if given.
 
     The taxonomy order uses ``taxonomy`` (a per-head label table) or, when that is None, the labels that
-    :func:`~mechgeom.analyses.head_stats.head_stats` collected in the same passes (``stats.taxonomy``).
+    :func:`~mechgeom.analyses.heads.stats.head_stats` collected in the same passes (``stats.taxonomy``).
     """
     orders: dict[str, list[Head]] = {}
     if taxonomy is None and stats.taxonomy is not None:
@@ -209,7 +209,7 @@ def retention_levels(n_heads: int, levels: Sequence[float] = RETENTION_LEVELS) -
 
 def compare_orders(frame: pd.DataFrame) -> pd.DataFrame:
     """Per corpus/task and retention < 100% of a retention frame
-    (:func:`~mechgeom.analyses.pruning.retention_curves`): each order's PPL (or accuracy) side by side and
+    (:func:`~mechgeom.analyses.heads.pruning.retention_curves`): each order's PPL (or accuracy) side by side and
     the ``best`` order (lowest PPL, highest accuracy; the first order on ties)."""
     rows = []
     below = frame[frame["retention"] < 1.0]

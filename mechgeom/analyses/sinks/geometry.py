@@ -1,6 +1,6 @@
 """The sink statistics of one layer and their collector (SPEC.md "Sinks"): the formulas, :class:`SinkCollector`
 and :class:`SinkResult`. The runs (:func:`~mechgeom.analyses.sinks.sink_statistics`, also on an encoder) and
-the head choices are :mod:`mechgeom.analyses.sinks`, which re-exports everything here; the conventions (sink
+the head choices are :mod:`mechgeom.analyses.sinks.statistics`, which re-exports everything here; the conventions (sink
 set, queries ``Q``, short sequences, basis) are in its docstring.
 """
 
@@ -16,8 +16,8 @@ import numpy as np
 import pandas as pd
 import torch
 
-from mechgeom.analyses.contribution import LayerGeometry
-from mechgeom.analyses.convexity import ConvexityTerms, query_terms, sink_mean_cos
+from mechgeom.analyses.contribution.weights import LayerGeometry
+from mechgeom.analyses.sinks.convexity import ConvexityTerms, query_terms, sink_mean_cos
 from mechgeom.hooks import (
     FwdHook,
     LayerActivations,
@@ -185,7 +185,7 @@ class SinkResult(ConvexityTerms):
     ``modified [n, layer, head, q]`` marks the heads whose ``z`` an earlier hook changed
     (:func:`mechgeom.hooks.modified_mask`): the statistics above still describe ``alpha`` and ``v``, but
     those no longer make the head's output, and the factor moments leave such queries out (their
-    ``c``, ratio and cosine are NaN, see :mod:`mechgeom.analyses.contribution`).
+    ``c``, ratio and cosine are NaN, see :mod:`mechgeom.analyses.contribution.weights`).
     ``tokens [n, pos]`` and ``str_tokens`` (from the model's tokenizer) when the texts were given.
     """
 

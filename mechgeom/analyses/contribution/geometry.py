@@ -4,7 +4,7 @@ For one layer (batch ``b``, head ``h``, query ``i``, source ``j <= i``; every ``
 ``v = hook_v`` (GQA-expanded), ``z = hook_z`` and ``W_O`` from the model: projected value
 ``vt[j,h] = v[j,h] @ W_O[h]``, head output ``o[i,h] = z[i,h] @ W_O[h]``, layer output ``o[i] = sum_h o[i,h]``
 (no ``b_O``). The conventions (zero output norm, basis, modified heads) are those of
-:mod:`mechgeom.analyses.contribution`, which collects these metrics over layers.
+:mod:`mechgeom.analyses.contribution.weights`, which collects these metrics over layers.
 
 Every metric costs one ``q x k`` product in ``d_head`` per head, like attention itself, because
 ``<o, vt[j,h]> = v[j,h] . (o @ W_O[h].T)``. No ``[batch, head, q, k, d_model]`` tensor is ever built.
@@ -19,8 +19,8 @@ square is skipped. The pattern is taken as causal, as a decoder's is (mechgeom's
 unless ``causal=False``.
 
 **Two sweeps, one set of numbers.** On CPU in float32/float64, where a C compiler is present, the blocked
-sweep is :mod:`~mechgeom.analyses.contribution_fused`: per block one matmul for both raw products and one
-pass of a small C kernel (built on first use, see :mod:`mechgeom._native`) that writes every metric once.
+sweep is :mod:`~mechgeom._kernels.fused`: per block one matmul for both raw products and one
+pass of a small C kernel (built on first use, see :mod:`mechgeom._kernels.build`) that writes every metric once.
 Elsewhere (GPU, other dtypes, no compiler, ``MECHGEOM_NATIVE=0``) the plain-torch sweep below runs. The
 tests run both against the brute force.
 
@@ -39,11 +39,17 @@ import einops
 import torch
 
 from mechgeom import maths
-from mechgeom.analyses import contribution_fused as fused
+from mechgeom._kernels import fused
 from mechgeom.hooks import LayerActivations, head_outputs
 from mechgeom.typing import WO, Bool, Float, HeadScores, LayerScores, Pattern, Tensor, Values, Z
 
-__all__ = ["BLOCK_SIZE", "FUSED_BLOCK_SIZE", "INTER_METRICS", "INTRA_METRICS", "LayerGeometry"]
+__all__ = [
+    "BLOCK_SIZE",
+    "FUSED_BLOCK_SIZE",
+    "INTER_METRICS",
+    "INTRA_METRICS",
+    "LayerGeometry",
+]
 
 #: Per-head metrics, ``[batch, layer, head_index, query_pos, key_pos]``.
 INTRA_METRICS = (
@@ -61,10 +67,8 @@ INTER_METRICS = ("attention", "value_weighted", "value_weighted_normalized", "co
 #: Queries per block of the blocked computation (see "Causal layout" in the module docstring): the plain-torch
 #: sweep's default (fewer, larger tensor operations pay there, on a GPU above all).
 BLOCK_SIZE = 128
-#: The fused sweep's default: smaller blocks waste less of the causal triangle in their matmuls (the C kernel
-#: skips those keys anyway); measured best or within 3% of it at 1x256, 1x1024 and 4x512 on SmolLM2 (16 to 256
-#: tried: blocks of 16-21 queries, whose products stay in L2 at 1x1024, were 20% slower there).
-FUSED_BLOCK_SIZE = 64
+#: The fused sweep's default (:data:`mechgeom._kernels.fused.FUSED_BLOCK_SIZE`).
+FUSED_BLOCK_SIZE = fused.FUSED_BLOCK_SIZE
 #: Tokens per batched matmul of :attr:`LayerGeometry.gram` (its temporary is ``[head, tokens, d_model]``).
 GRAM_CHUNK = 256
 
@@ -417,7 +421,7 @@ class LayerGeometry:
         self._metrics.update(out)
 
     def _eager_blocks(self, want: set[str], out: dict[str, Tensor], to_zero: list[Tensor]) -> None:
-        """The plain-torch sweep (the fused one, :mod:`~mechgeom.analyses.contribution_fused`, gives the same
+        """The plain-torch sweep (the fused one, :mod:`~mechgeom._kernels.fused`, gives the same
         numbers); ``to_zero``: the outputs whose keys after each block must be written 0."""
         alpha = self.pattern
         Q = alpha.shape[-1]

@@ -2,8 +2,8 @@
 
 SPEC: "Removing source ``j`` from query ``i`` = setting ``alpha[h,i,j] = 0`` **without renormalising**
 (this deletes ``alpha vt`` from ``o[i]``), as a hook on ``hook_pattern``." The sources of each query are
-ranked from a clean pass by a metric of :mod:`mechgeom.analyses.contribution` or at random
-(:mod:`mechgeom.analyses.rankings` fixes the ranking conventions: clean ranking and no re-ranking, ties,
+ranked from a clean pass by a metric of :mod:`mechgeom.analyses.contribution.weights` or at random
+(:mod:`mechgeom.analyses.faithfulness.rankings` fixes the ranking conventions: clean ranking and no re-ranking, ties,
 NaN, the seeded random control); at removal rate ``r``, ``ceil(r * (i+1))`` sources of query ``i`` are
 removed: the top-ranked (**comprehensiveness**: a larger ΔPPL is more faithful) or the bottom-ranked
 (**sufficiency**: a smaller ΔPPL is more faithful).
@@ -19,7 +19,7 @@ Sweeps (:func:`perplexity_curves`, :func:`task_accuracy_curves`) run one clean p
 (e.g. :func:`mechgeom.hooks.head_ablation_hooks`) are attached before the masking hooks in every pass,
 clean and masked, so the curves are those of the modified model. :func:`faithfulness_summary` (ranks the
 metrics on a ΔPPL table and judges paper A's claimed order) and :func:`area_ordering` live in
-:mod:`mechgeom.analyses.rankings` and are re-exported here.
+:mod:`mechgeom.analyses.faithfulness.rankings` and are re-exported here.
 """
 
 from __future__ import annotations
@@ -35,52 +35,22 @@ import pandas as pd
 import torch
 
 from mechgeom._io import write_frame
-from mechgeom.analyses.evaluation import bootstrap_ci, encode_choices, predicted_correct, target_logprob
-from mechgeom.analyses.rankings import (
+from mechgeom.analyses.faithfulness.rankings import (
     FAITHFULNESS_METRICS,
-    SCOPES,
-    SourceRanking,
-    _check_common,
-    _clean_pass,
-    _rkey,
-    _settings,
-    _unit_hash,
-    area_ordering,
-    faithfulness_summary,
-    source_rankings,
+    check_sweep_settings,
+    clean_pass,
+    rate_key,
+    sweep_settings,
+    unit_hash,
 )
-from mechgeom.hooks import (
-    MODES,
-    FwdHook,
-    mask_sources_hook,
-    masking_hooks,
-    n_removed,
-    rank_sources,
-    ranked_mask_hook,
-    removal_interval,
-    removal_mask,
-    to_tokens,
-)
+from mechgeom.analyses.scoring import bootstrap_ci, encode_choices, predicted_correct, target_logprob
+from mechgeom.hooks import MODES, FwdHook, check_decoder, masking_hooks, to_tokens
 from mechgeom.sweep import Executor, Item, RowStore, executor_for, run_sweep
 from mechgeom.typing import Bool, Float, Tensor, Tokens
 
 __all__ = [
     "DEFAULT_RATES",
-    "FAITHFULNESS_METRICS",
-    "MODES",
-    "SCOPES",
-    "SourceRanking",
-    "area_ordering",
-    "faithfulness_summary",
-    "mask_sources_hook",
-    "masking_hooks",
-    "n_removed",
     "perplexity_curves",
-    "rank_sources",
-    "ranked_mask_hook",
-    "removal_interval",
-    "removal_mask",
-    "source_rankings",
     "task_accuracy_curves",
 ]
 
@@ -147,7 +117,7 @@ class _SweepWork:
             pos = max(self.units.lengths[u] for u in idx)
             tokens = self.units.tokens[list(idx), :pos].to(model.cfg.device)
             targets = self.units.targets[list(idx), : pos - 1]
-            rankings, clean_lp, n_pred = _clean_pass(
+            rankings, clean_lp, n_pred = clean_pass(
                 model,
                 tokens,
                 targets,
@@ -253,7 +223,7 @@ def _sweep(
         verbose=verbose,
     )
     record = rows.frame.copy()
-    record["rate"] = record["rate"].astype(float).map(_rkey)
+    record["rate"] = record["rate"].astype(float).map(rate_key)
     record["unit_hash"] = record["unit_hash"].astype(str)
     return record
 
@@ -304,8 +274,8 @@ def perplexity_curves(
 
     SPEC: "ΔPPL = PPL(masked) − PPL(clean) of next-token prediction on the text; also report ΔNLL."
     PPL is ``exp`` of the mean over texts of each text's mean next-token NLL (equal-length windows, as
-    :func:`mechgeom.analyses.evaluation.perplexity`); ``ci_low``/``ci_high`` are a 95% percentile bootstrap over
-    texts of ΔPPL (:func:`mechgeom.analyses.evaluation.bootstrap_ci`, ``n_boot`` resamples, ``seed``).
+    :func:`mechgeom.analyses.scoring.perplexity`); ``ci_low``/``ci_high`` are a 95% percentile bootstrap over
+    texts of ΔPPL (:func:`mechgeom.analyses.scoring.bootstrap_ci`, ``n_boot`` resamples, ``seed``).
 
     One clean pass per batch of ``batch_size`` texts gives the clean loss and every ranking; each
     (metric, mode, rate > 0) then costs one masked forward; rate 0 is the clean pass. Metrics whose
@@ -326,7 +296,8 @@ def perplexity_curves(
     ``executor`` runs the sweep's items elsewhere, e.g. :class:`mechgeom.sweep.RayExecutor` on actors that
     each load the same model by name (default: in this process, on ``model``); the table is the same.
     """
-    metrics_t, rates_t, modes_t, chosen, scope = _check_common(
+    check_decoder(model)
+    metrics_t, rates_t, modes_t, chosen, scope = check_sweep_settings(
         model, metrics, rates, modes, layers, scope, batch_size
     )
     tokens = tokens_or_text
@@ -345,9 +316,9 @@ def perplexity_curves(
         tokens=toks,
         lengths=[pos] * n,
         targets=torch.ones(n, pos - 1, dtype=torch.bool),
-        hashes=[_unit_hash(t) for t in toks],
+        hashes=[unit_hash(t) for t in toks],
     )
-    settings = _settings(model, chosen, scope, seed, extra_hooks)
+    settings = sweep_settings(model, chosen, scope, seed, extra_hooks)
     record = _sweep(
         model,
         units,
@@ -418,7 +389,7 @@ def _ppl_summary(
 
 
 def _task_units(model: Any, items: Sequence[Any], max_len: int) -> tuple[_Units, list[tuple[int, int]]]:
-    """One unit per (item, choice): the prompt then the choice, as :func:`~mechgeom.analyses.evaluation.encode_choices`
+    """One unit per (item, choice): the prompt then the choice, as :func:`~mechgeom.analyses.scoring.encode_choices`
     tokenises them (the prompt with the model's BOS default, each choice without; a long prompt loses tokens
     from the left so that every ``prompt + choice`` fits in ``max_len``). Targets are the predictions of the
     choice tokens.
@@ -437,7 +408,7 @@ def _task_units(model: Any, items: Sequence[Any], max_len: int) -> tuple[_Units,
     for u, s in enumerate(seqs):
         tokens[u, : len(s)] = torch.tensor(s)
         targets[u, n_ctx[u] - 1 : len(s) - 1] = True
-    hashes = [_unit_hash(tokens[u, : len(s)], n_ctx[u]) for u, s in enumerate(seqs)]
+    hashes = [unit_hash(tokens[u, : len(s)], n_ctx[u]) for u, s in enumerate(seqs)]
     return _Units(tokens=tokens, lengths=[len(s) for s in seqs], targets=targets, hashes=hashes), owner
 
 
@@ -477,7 +448,8 @@ def task_accuracy_curves(
     ``extra_hooks`` and ``executor`` work as in :func:`perplexity_curves` (per-choice record
     ``<stem>.per_choice<suffix>``).
     """
-    metrics_t, rates_t, modes_t, chosen, scope = _check_common(
+    check_decoder(model)
+    metrics_t, rates_t, modes_t, chosen, scope = check_sweep_settings(
         model, metrics, rates, modes, layers, scope, batch_size
     )
     items = list(items)
@@ -488,7 +460,7 @@ def task_accuracy_curves(
     if not 2 <= limit <= int(model.cfg.n_ctx):
         raise ValueError(f"max_len must be in [2, n_ctx={model.cfg.n_ctx}], got {max_len}")
     units, owner = _task_units(model, items, limit)
-    settings = _settings(model, chosen, scope, seed, extra_hooks)
+    settings = sweep_settings(model, chosen, scope, seed, extra_hooks)
     record = _sweep(
         model,
         units,
@@ -517,7 +489,7 @@ def task_accuracy_curves(
 
 def _correct(scores: np.ndarray, owner: list[tuple[int, int]], items: Sequence[Any]) -> np.ndarray:
     """1.0 where the highest-scoring choice (first on ties) is the answer, per item
-    (:func:`~mechgeom.analyses.evaluation.predicted_correct`)."""
+    (:func:`~mechgeom.analyses.scoring.predicted_correct`)."""
     per_item: list[list[float]] = [[-math.inf] * len(it.choices) for it in items]
     for u, (i, c) in enumerate(owner):
         per_item[i][c] = float(scores[u])

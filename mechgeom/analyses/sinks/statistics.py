@@ -31,9 +31,9 @@ A sink position at or beyond the sequence length raises ``ValueError``.
 loaded with ``center_writing_weights=True``, a no-op for their RMSNorm, so ``W_O`` is the checkpoint's.
 
 The runs are here (:func:`sink_statistics`, :func:`sink_statistics_from_cache`, and on an encoder
-:func:`~mechgeom.analyses.encoder_sinks.encoder_sink_statistics`); the formulas, :class:`SinkCollector` and
-:class:`SinkResult` are :mod:`mechgeom.analyses.sink_geometry`; the convexity maths and its intervention live in
-:mod:`mechgeom.analyses.convexity`, the sink-value ablation in :mod:`mechgeom.analyses.sink_ablation`.
+:func:`~mechgeom.analyses.sinks.encoder.encoder_sink_statistics`); the formulas, :class:`SinkCollector` and
+:class:`SinkResult` are :mod:`mechgeom.analyses.sinks.geometry`; the convexity maths and its intervention live in
+:mod:`mechgeom.analyses.sinks.convexity`, the sink-value ablation in :mod:`mechgeom.analyses.sinks.ablation`.
 All are re-exported here. The interventions are hook factories of :mod:`mechgeom.hooks`
 (:func:`sink_mass_hooks` on ``hook_pattern``, :func:`sink_value_hooks` on ``hook_v``).
 """
@@ -47,54 +47,16 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from mechgeom.analyses.convexity import *  # noqa: F403  (re-exported)
-from mechgeom.analyses.convexity import __all__ as _convexity
-from mechgeom.analyses.encoder_sinks import encoder_sink_statistics
-from mechgeom.analyses.sink_ablation import *  # noqa: F403  (re-exported)
-from mechgeom.analyses.sink_ablation import __all__ as _sink_ablation
-from mechgeom.analyses.sink_geometry import *  # noqa: F403  (re-exported)
-from mechgeom.analyses.sink_geometry import SinkCollector, SinkResult
-from mechgeom.analyses.sink_geometry import __all__ as _sink_geometry
-from mechgeom.hooks import (
-    FwdHook,
-    TokensOrText,
-    collect,
-    is_bidirectional,
-    to_tokens,
-)
-from mechgeom.hooks import affected_heads as affected_heads  # re-exported, as are the next three
-from mechgeom.hooks import kv_groups as kv_groups
-from mechgeom.hooks import resolve_sinks as resolve_sinks
-from mechgeom.hooks import sink_mass_hooks as sink_mass_hooks
-from mechgeom.hooks import sink_value_hooks as sink_value_hooks
+from mechgeom.analyses.sinks.encoder import encoder_sink_statistics
+from mechgeom.analyses.sinks.geometry import SinkCollector, SinkResult
+from mechgeom.hooks import FwdHook, TokensOrText, collect, is_bidirectional, to_tokens
 
-__all__ = sorted(
-    {
-        *_convexity,
-        *_sink_ablation,
-        *_sink_geometry,
-        "encoder_sink_statistics",
-        "FACTORS",
-        "GROUPS",
-        "SinkCollector",
-        "SinkResult",
-        "affected_heads",
-        "describe_values",
-        "factor_moments",
-        "factor_shares_from_moments",
-        "kv_groups",
-        "resolve_sinks",
-        "sink_mass_hooks",
-        "sink_norm_ratio",
-        "sink_rate",
-        "sink_statistics",
-        "sink_statistics_from_cache",
-        "sink_token_cos",
-        "sink_value_hooks",
-        "spread_sink_heads",
-        "top_sink_heads",
-    }
-)
+__all__ = [
+    "sink_statistics",
+    "sink_statistics_from_cache",
+    "spread_sink_heads",
+    "top_sink_heads",
+]
 
 
 def sink_statistics(
@@ -112,7 +74,7 @@ def sink_statistics(
     (e.g. an intervention). The pass stops after the last analysed layer (no unembedding).
 
     On an encoder, ``sink_positions`` may name special tokens (``["[CLS]", "[SEP]"]``), resolved in each
-    text, and every query sees every sink: see :func:`mechgeom.analyses.encoder_sinks.encoder_sink_statistics`.
+    text, and every query sees every sink: see :func:`mechgeom.analyses.sinks.encoder.encoder_sink_statistics`.
     """
     if is_bidirectional(model):
         run = partial(encoder_sink_statistics, layers=layers, sink_positions=sink_positions, verbose=verbose)

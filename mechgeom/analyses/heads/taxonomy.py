@@ -33,12 +33,12 @@ from mechgeom.hooks import (
     FwdHook,
     LayerActivations,
     LayerCollector,
+    check_sink_positions,
     collect,
     head_outputs,
     modified_pairs,
     to_tokens,
 )
-from mechgeom.hooks.masks import check_sink_positions
 from mechgeom.typing import WO, Bool, Float, Int, Pattern, Tensor, Tokens, Values, Z
 
 __all__ = [
@@ -400,7 +400,7 @@ def classify_heads_from_cache(
 # --------------------------------------------------------------------------- tables
 
 
-def _check_table(table: pd.DataFrame) -> None:
+def check_table(table: pd.DataFrame) -> None:
     missing = [c for c in ("layer", "head", "label") if c not in table.columns]
     if missing:
         raise ValueError(f"label table lacks column(s) {missing}; use TaxonomyResult.to_frame()")
@@ -408,7 +408,7 @@ def _check_table(table: pd.DataFrame) -> None:
 
 def label_distribution(table: pd.DataFrame, *, by: str | Sequence[str] | None = None) -> pd.DataFrame:
     """Count and share of each label (all three listed, zeros included), optionally per group ``by``."""
-    _check_table(table)
+    check_table(table)
     keys = [] if by is None else ([by] if isinstance(by, str) else list(by))
     rows = []
     groups = [((), table)] if not keys else table.groupby(keys)
@@ -428,7 +428,7 @@ def regime_summary(table: pd.DataFrame) -> pd.DataFrame:
 
     ``cos_out_sink`` is expected high for Mixers, ``cos_out_cur`` for Retrievers.
     """
-    _check_table(table)
+    check_table(table)
     cols = [
         c for c in ("f_cur", "f_sink", "f_other", "sink_rate", "cos_out_sink", "cos_out_cur") if c in table
     ]
@@ -461,7 +461,7 @@ def label_agreement(tables: Mapping[str, pd.DataFrame] | Sequence[pd.DataFrame])
     labels: dict[str, pd.Series] = {}
     ref: set[tuple[int, int]] | None = None
     for name, t in named.items():
-        _check_table(t)
+        check_table(t)
         s = t.set_index(["layer", "head"])["label"]
         if not s.index.is_unique:
             raise ValueError(f"table {name!r} has duplicate (layer, head) rows")

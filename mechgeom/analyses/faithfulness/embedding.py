@@ -1,6 +1,6 @@
 """Faithfulness without a language-model head: paper A's source masking on an encoder (SPEC.md §A, adapted).
 
-A decoder's faithfulness is ΔPPL of next-token prediction (:mod:`mechgeom.analyses.faithfulness`); an
+A decoder's faithfulness is ΔPPL of next-token prediction (:mod:`mechgeom.analyses.faithfulness.curves`); an
 encoder (BERT-style, bidirectional attention, e.g. ``"minilm-l6"``) predicts no next token. Its outcome is
 the **sentence embedding** ``e``: the final hidden states mean-pooled over the real (non-padding) tokens
 (sentence-transformers' pooling, :func:`mechgeom.encoder_models.sentence_embedding`). Definition:
@@ -8,7 +8,7 @@ the **sentence embedding** ``e``: the final hidden states mean-pooled over the r
 - **Effect.** "``effect = 1 − cos(e_masked, e_clean)`` per text (0 = no change)", in ``[0, 2]`` (clamped
   there against rounding; NaN where an embedding is the zero vector). A curve is the mean effect over
   texts at each removal rate, with a 95% percentile bootstrap over texts
-  (:func:`mechgeom.analyses.evaluation.bootstrap_ci`).
+  (:func:`mechgeom.analyses.scoring.bootstrap_ci`).
 - **Removal.** As for decoders: "removing source ``j`` from query ``i`` = setting ``alpha[h,i,j] = 0``
   **without renormalising**, as a hook on ``hook_pattern``", at every chosen layer at once
   (:func:`mechgeom.hooks.masking_hooks`); the ranking comes from one clean pass and is never re-ranked.
@@ -22,18 +22,18 @@ the **sentence embedding** ``e``: the final hidden states mean-pooled over the r
   the top-ranked (**comprehensiveness**: a larger effect is more faithful) or the bottom-ranked
   (**sufficiency**: a smaller effect is more faithful). Rate 0 removes nothing, so its effect is exactly 0
   (no pass is run); comprehensiveness at rate 1 removes every real source of every real query.
-- **Ranking.** By the signed metric of :mod:`mechgeom.analyses.contribution` (``scope="intra"``: one ranking
+- **Ranking.** By the signed metric of :mod:`mechgeom.analyses.contribution.weights` (``scope="intra"``: one ranking
   per head; ``"inter"``: one per layer for all heads), largest first, stable (ties to the lower position),
   NaN below every finite value (:func:`mechgeom.hooks.rank_sources` with ``causal=False``).
 - **Padding.** Padded keys (attention mask 0) are neither sources nor queries: they rank after every real
   key and are never removed; padded queries remove nothing. Their pattern is 0 anyway and the pooling skips
   them, so a text in a padded batch has the effect it has alone.
 - **Random control.** ``"random"`` ranks by uniform noise over the real tokens, seeded with
-  ``(seed, content hash of the text's real tokens, layer)`` (as :mod:`mechgeom.analyses.rankings`):
+  ``(seed, content hash of the text's real tokens, layer)`` (as :mod:`mechgeom.analyses.faithfulness.rankings`):
   reproducible for a seed, independent of the batch and of the padding.
 
 Paper A's claim (contribution most faithful) is judged by the area under each effect-vs-rate curve
-(:func:`mechgeom.analyses.rankings.area_ordering`, trapezoid, rate 0 included with effect 0):
+(:func:`mechgeom.analyses.faithfulness.rankings.area_ordering`, trapezoid, rate 0 included with effect 0):
 :meth:`EmbeddingFaithfulness.summary` / :func:`embedding_summary`.
 """
 
@@ -50,18 +50,18 @@ import pandas as pd
 import torch
 
 from mechgeom._progress import progress
-from mechgeom.analyses.contribution import RANKING_METRICS
-from mechgeom.analyses.evaluation import bootstrap_ci
-from mechgeom.analyses.rankings import (
+from mechgeom.analyses.contribution.weights import RANKING_METRICS
+from mechgeom.analyses.faithfulness.rankings import (
     FAITHFULNESS_METRICS,
-    _check_settings,
-    _layers_label,
-    _random_scores,
-    _unit_hash,
     area_ordering,
+    check_sweep_settings,
     claimed_order_verdict,
+    layers_label,
+    random_scores,
     ranking_readers,
+    unit_hash,
 )
+from mechgeom.analyses.scoring import bootstrap_ci
 from mechgeom.hooks import (
     MODES,
     FwdHook,
@@ -194,8 +194,8 @@ def embedding_summary(frame: pd.DataFrame, claimed: Sequence[str] = RANKING_METR
 
     Per mode, each metric's area under its mean-effect curve (trapezoid over the rates, with the point
     ``(0, 0)`` added where rate 0 is missing: rate 0 removes nothing) orders the metrics
-    (:func:`~mechgeom.analyses.rankings.area_ordering`; comprehensiveness: a larger area is more faithful,
-    sufficiency: a smaller one). As in :func:`~mechgeom.analyses.rankings.faithfulness_summary`, the
+    (:func:`~mechgeom.analyses.faithfulness.rankings.area_ordering`; comprehensiveness: a larger area is more faithful,
+    sufficiency: a smaller one). As in :func:`~mechgeom.analyses.faithfulness.rankings.faithfulness_summary`, the
     order ``claimed[0] < claimed[1] < ...`` (least to most faithful) **holds** when every adjacent pair is
     strictly in that order, **holds up to ties** when some pairs have equal areas (identical rankings) and
     none is reversed, and else **does not hold** (also when a claimed metric is missing).
@@ -377,13 +377,13 @@ class _Batch:
 
 
 def _random_ranks(mask: Tensor, hashes: list[str], n_heads: int, *, seed: int, layer: int) -> SourceRanks:
-    """The random control's ranks: noise over each text's real tokens (``_random_scores``), padding last."""
+    """The random control's ranks: noise over each text's real tokens (``random_scores``), padding last."""
     b, pos = mask.shape
     scores = torch.zeros(b, n_heads, pos, pos)
     for t in range(b):
         real = mask[t].nonzero().flatten().cpu()
         n = len(real)
-        noise = _random_scores(n_heads, n, n, seed=seed, unit_hash=hashes[t], layer=layer)
+        noise = random_scores(n_heads, n, n, seed=seed, unit_hash=hashes[t], layer=layer)
         scores[t][:, real[:, None], real[None, :]] = noise
     return rank_sources(scores.to(mask.device), causal=False, key_mask=mask)
 
@@ -458,7 +458,7 @@ def embedding_curves(
     ``RuntimeError``. No hook stays attached.
     """
     _check_encoder(model)
-    metrics_t, rates_t, modes_t, chosen, scope = _check_settings(
+    metrics_t, rates_t, modes_t, chosen, scope = check_sweep_settings(
         model, metrics, rates, modes, layers, scope, batch_size
     )
     tokens = to_tokens(model, tokens_or_text, what="embedding faithfulness", encoders=True)
@@ -475,7 +475,7 @@ def embedding_curves(
             f"extra_hooks also edit {clash}; give extra_hooks elsewhere (e.g. hook_v) or mask other layers"
         )
     n = tokens.shape[0]
-    hashes = [_unit_hash(tokens[t][mask[t]]) for t in range(n)]
+    hashes = [unit_hash(tokens[t][mask[t]]) for t in range(n)]
     effects = np.zeros((len(metrics_t), len(modes_t), len(rates_t), n), dtype=np.float64)
     keys = [
         (i, j, k)
@@ -530,7 +530,7 @@ def embedding_curves(
         unit_hashes=hashes,
         n_tokens=[int(x) for x in mask.sum(-1).tolist()],
         layers=chosen,
-        layers_label=_layers_label(model, chosen),
+        layers_label=layers_label(model, chosen),
         scope=scope,
         seed=seed,
     )

@@ -30,8 +30,8 @@ Choices fixed here (all keyword arguments):
 
 The sink-aware lower bound of :func:`sink_aware_bound` is stated and proved in ``docs/selection_bound.md``.
 
-Layout: :mod:`mechgeom.analyses.selection_geometry` (candidates, rankings, distances, ``F_N``),
-:mod:`mechgeom.analyses.selection_bounds` (tie tolerances, certificate, regime parameters, the bound); this
+Layout: :mod:`mechgeom.analyses.selection.geometry` (candidates, rankings, distances, ``F_N``),
+:mod:`mechgeom.analyses.selection.bounds` (tie tolerances, certificate, regime parameters, the bound); this
 module holds one layer's sweep (:func:`layer_selection`), :class:`SelectionResult`,
 :class:`SelectionCollector` and the entry points, and re-exports the public names of both.
 """
@@ -48,52 +48,42 @@ import pandas as pd
 import torch
 
 from mechgeom._progress import progress
-from mechgeom.analyses.selection_bounds import (
-    BoundParams,
-    bound_radii,
+from mechgeom.analyses.selection.bounds import (
     bound_vs_measured,
     fit_bound_params,
     inversion_certificate,
     sink_aware_bound,
 )
-from mechgeom.analyses.selection_geometry import (
-    _check_dtype,
-    _check_ns,
-    _check_pattern_v,
+from mechgeom.analyses.selection.geometry import (
     candidate_mask,
+    check_dtype,
+    check_ns,
+    check_pattern_v,
     extreme_f_score,
-    precision_recall_curve,
     random_ranks,
     scores_by_n,
     selection_distances,
     sink_effect,
     source_ranks,
 )
-from mechgeom.hooks import FwdHook, LayerActivations, LayerCollector, modified_pairs, run_hooks, to_tokens
-from mechgeom.hooks.masks import check_sink_positions
+from mechgeom.hooks import (
+    FwdHook,
+    LayerActivations,
+    LayerCollector,
+    check_sink_positions,
+    modified_pairs,
+    run_hooks,
+    to_tokens,
+)
 from mechgeom.maths import wo_gram
 from mechgeom.typing import WO, Bool, Float, Pattern, Tensor, Tokens, Values
 
 __all__ = [
     "DEFAULT_NS",
     "PER_QUERY",
-    "BoundParams",
     "SelectionCollector",
     "SelectionResult",
-    "bound_radii",
-    "bound_vs_measured",
-    "candidate_mask",
-    "extreme_f_score",
-    "fit_bound_params",
-    "inversion_certificate",
     "layer_selection",
-    "precision_recall_curve",
-    "random_ranks",
-    "scores_by_n",
-    "selection_distances",
-    "sink_aware_bound",
-    "sink_effect",
-    "source_ranks",
     "token_selection",
     "token_selection_from_cache",
 ]
@@ -158,9 +148,9 @@ def layer_selection(
     in float64, and the outputs are stored as float32 either way (rounding keeps ``bound <= F_N``).
     ``batch_chunk`` bounds memory (rows processed together).
     """
-    _check_dtype(dtype)
-    _check_pattern_v(pattern, v)
-    ns = _check_ns(ns)
+    check_dtype(dtype)
+    check_pattern_v(pattern, v)
+    ns = check_ns(ns)
     if n_random < 0:
         raise ValueError(f"n_random must be >= 0, got {n_random}")
     b, h, _, k = pattern.shape
@@ -457,7 +447,7 @@ class SelectionCollector:
         verbose: bool = False,
     ) -> None:
         self.model = model
-        self.ns = _check_ns(ns)
+        self.ns = check_ns(ns)
         if n_random < 0:
             raise ValueError(f"n_random must be >= 0, got {n_random}")
         self.kwargs: dict[str, Any] = {
@@ -556,7 +546,7 @@ def token_selection(
     the precision of distances, scores and bounds, ``float32`` by default; ``torch.float64`` gives
     (near-)exact ``F_N`` where distances tie (see :func:`layer_selection`).
     """
-    _check_dtype(dtype)
+    check_dtype(dtype)
     col = SelectionCollector(model, layers, dtype=dtype, **kwargs)
     sinks = col.kwargs["sink_positions"]
     tokens = to_tokens(
@@ -583,7 +573,7 @@ def token_selection_from_cache(
 
     ``dtype`` as in :func:`token_selection` (``float32`` by default, ``torch.float64`` near ties).
     """
-    _check_dtype(dtype)
+    check_dtype(dtype)
     col = SelectionCollector(model, layers, dtype=dtype, **kwargs)
     col.feed_cache(cache)
     return col.result(None if tokens is None else to_tokens(model, tokens))
