@@ -1,104 +1,270 @@
 """mechgeom: geometry-aware attention analysis on TransformerLens.
 
-Every analysis is a set of hooks on ``blocks.{l}.attn.hook_pattern``, ``hook_v`` and ``hook_z``;
-the functions exported here are conveniences on top of those hooks. The entry points of every analysis and
-every hook factory are exported here; the layers are ``mechgeom.hooks`` (readers and interventions), the
-analysis modules, ``mechgeom.viz`` (views and figures) and ``mechgeom.report`` (see ``docs/architecture.md``).
+Every analysis is a set of hooks on ``blocks.{l}.attn.hook_pattern``, ``hook_v`` and ``hook_z``; the
+functions exported here are conveniences on top of those hooks, each of the shape
+``analysis(model, tokens_or_text, *, layers=None, cache=None, extra_hooks=(), verbose=False, ...)``.
+The layers are :mod:`mechgeom.models`, :mod:`mechgeom.hooks` (readers and interventions),
+:mod:`mechgeom.analyses` (one package per idea, on the contract of :mod:`mechgeom.analyses.base`),
+:mod:`mechgeom.viz` and :mod:`mechgeom.report` (see ``docs/architecture.md``). The definitions of every
+quantity are in ``docs/definitions.md``.
+
+Names are imported on first use, so ``import mechgeom`` (and the command line) stays fast.
+
+>>> import mechgeom
+>>> mechgeom.contribution_weights.__module__
+'mechgeom.analyses.contribution.weights'
 """
 
-from mechgeom.analyses.contribution.overview import contribution_overview
-from mechgeom.analyses.contribution.weights import (
-    ContributionCollector,
-    ContributionResult,
-    contribution_weights,
-    contribution_weights_from_cache,
-)
-from mechgeom.analyses.faithfulness import faithfulness_summary, source_rankings
-from mechgeom.analyses.faithfulness.curves import perplexity_curves, task_accuracy_curves
-from mechgeom.analyses.faithfulness.embedding import embedding_curves
-from mechgeom.analyses.heads import HeadStatsCollector, head_orders, head_stats, head_stats_from_cache
-from mechgeom.analyses.heads.pruning import retention_curves, single_head_sweep, task_accuracy
-from mechgeom.analyses.heads.taxonomy import TaxonomyCollector, classify_heads, classify_heads_from_cache
-from mechgeom.analyses.scoring import encode_choices, perplexity, score_choices, text_nll, token_nll
-from mechgeom.analyses.selection.collector import (
-    SelectionCollector,
-    token_selection,
-    token_selection_from_cache,
-)
-from mechgeom.analyses.sinks import convexity_by_intervention, convexity_check, sink_ablation
-from mechgeom.analyses.sinks.encoder import encoder_sink_statistics
-from mechgeom.analyses.sinks.statistics import SinkCollector, sink_statistics, sink_statistics_from_cache
-from mechgeom.encoder_models import sentence_embedding
-from mechgeom.hooks import (
-    LayerCollector,
-    ablate_value_hook,
-    collect,
-    head_ablation_hooks,
-    mask_sources_hook,
-    masking_hooks,
-    modified_mask,
-    ranked_mask_hook,
-    replace_z_hook,
-    set_sink_mass_hook,
-    sink_mass_hooks,
-    sink_value_hooks,
-    to_tokens,
-)
-from mechgeom.models import list_models, load_model
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "ContributionCollector",
-    "ContributionResult",
-    "HeadStatsCollector",
-    "LayerCollector",
-    "SelectionCollector",
-    "SinkCollector",
-    "TaxonomyCollector",
-    "__version__",
-    "ablate_value_hook",
-    "classify_heads",
-    "classify_heads_from_cache",
-    "collect",
-    "contribution_overview",
-    "contribution_weights",
-    "contribution_weights_from_cache",
-    "convexity_by_intervention",
-    "convexity_check",
-    "embedding_curves",
-    "encode_choices",
-    "encoder_sink_statistics",
-    "faithfulness_summary",
-    "head_ablation_hooks",
-    "head_orders",
-    "head_stats",
-    "head_stats_from_cache",
-    "list_models",
-    "load_model",
-    "mask_sources_hook",
-    "masking_hooks",
-    "modified_mask",
-    "perplexity",
-    "perplexity_curves",
-    "ranked_mask_hook",
-    "replace_z_hook",
-    "retention_curves",
-    "score_choices",
-    "sentence_embedding",
-    "set_sink_mass_hook",
-    "single_head_sweep",
-    "sink_ablation",
-    "sink_mass_hooks",
-    "sink_statistics",
-    "sink_statistics_from_cache",
-    "sink_value_hooks",
-    "source_rankings",
-    "task_accuracy",
-    "task_accuracy_curves",
-    "text_nll",
-    "to_tokens",
-    "token_nll",
-    "token_selection",
-    "token_selection_from_cache",
-]
+#: Public name -> the module that defines it.
+_EXPORTS: dict[str, str] = {
+    # the contract
+    "Collector": "mechgeom.analyses.base",
+    "Result": "mechgeom.analyses.base",
+    "collect": "mechgeom.analyses.base",
+    # contribution weights
+    "ContributionCollector": "mechgeom.analyses.contribution.weights",
+    "ContributionResult": "mechgeom.analyses.contribution.weights",
+    "contribution_weights": "mechgeom.analyses.contribution.weights",
+    "contribution_weights_from_cache": "mechgeom.analyses.contribution.weights",
+    "contribution_overview": "mechgeom.analyses.contribution.overview",
+    # faithfulness
+    "faithfulness_summary": "mechgeom.analyses.faithfulness.rankings",
+    "source_rankings": "mechgeom.analyses.faithfulness.rankings",
+    "perplexity_curves": "mechgeom.analyses.faithfulness.curves",
+    "task_accuracy_curves": "mechgeom.analyses.faithfulness.curves",
+    "embedding_curves": "mechgeom.analyses.faithfulness.embedding",
+    # heads
+    "HeadStatsCollector": "mechgeom.analyses.heads.stats",
+    "head_stats": "mechgeom.analyses.heads.stats",
+    "head_stats_from_cache": "mechgeom.analyses.heads.stats",
+    "head_orders": "mechgeom.analyses.heads.orders",
+    "retention_curves": "mechgeom.analyses.heads.pruning",
+    "single_head_sweep": "mechgeom.analyses.heads.pruning",
+    "TaxonomyCollector": "mechgeom.analyses.heads.taxonomy",
+    "classify_heads": "mechgeom.analyses.heads.taxonomy",
+    "classify_heads_from_cache": "mechgeom.analyses.heads.taxonomy",
+    # scoring
+    "encode_choices": "mechgeom.analyses.scoring",
+    "perplexity": "mechgeom.analyses.scoring",
+    "score_choices": "mechgeom.analyses.scoring",
+    "task_accuracy": "mechgeom.analyses.scoring",
+    "text_nll": "mechgeom.analyses.scoring",
+    "token_nll": "mechgeom.analyses.scoring",
+    # selection
+    "SelectionCollector": "mechgeom.analyses.selection.collector",
+    "token_selection": "mechgeom.analyses.selection.collector",
+    "token_selection_from_cache": "mechgeom.analyses.selection.collector",
+    # sinks
+    "SinkCollector": "mechgeom.analyses.sinks.geometry",
+    "sink_statistics": "mechgeom.analyses.sinks.statistics",
+    "sink_statistics_from_cache": "mechgeom.analyses.sinks.statistics",
+    "encoder_sink_statistics": "mechgeom.analyses.sinks.encoder",
+    "convexity_by_intervention": "mechgeom.analyses.sinks.convexity",
+    "convexity_check": "mechgeom.analyses.sinks.convexity",
+    "sink_ablation": "mechgeom.analyses.sinks.ablation",
+    # hooks: readers and interventions
+    "LayerCollector": "mechgeom.hooks",
+    "ablate_value_hook": "mechgeom.hooks",
+    "head_ablation_hooks": "mechgeom.hooks",
+    "mask_sources_hook": "mechgeom.hooks",
+    "masking_hooks": "mechgeom.hooks",
+    "modified_mask": "mechgeom.hooks",
+    "ranked_mask_hook": "mechgeom.hooks",
+    "replace_z_hook": "mechgeom.hooks",
+    "set_sink_mass_hook": "mechgeom.hooks",
+    "sink_mass_hooks": "mechgeom.hooks",
+    "sink_value_hooks": "mechgeom.hooks",
+    "to_tokens": "mechgeom.hooks",
+    # models
+    "list_models": "mechgeom.models",
+    "load_model": "mechgeom.models",
+    "sentence_embedding": "mechgeom.encoder_models",
+}
+_SUBPACKAGES = ("analyses", "data", "hooks", "maths", "models", "report", "sweep", "typing", "viz")
+
+__all__ = ["__version__", *sorted(_EXPORTS)]
+
+
+def __getattr__(name: str) -> Any:
+    """Import a public name (or a subpackage) on first use, and keep it."""
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    elif name in _SUBPACKAGES:
+        value = importlib.import_module(f"mechgeom.{name}")
+    else:
+        raise AttributeError(f"module 'mechgeom' has no attribute {name!r}")
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_EXPORTS, *_SUBPACKAGES})
+
+
+if TYPE_CHECKING:  # the same names, for type checkers and editors
+    from mechgeom.analyses.base import (
+        Collector as Collector,
+    )
+    from mechgeom.analyses.base import (
+        Result as Result,
+    )
+    from mechgeom.analyses.base import (
+        collect as collect,
+    )
+    from mechgeom.analyses.contribution.overview import (
+        contribution_overview as contribution_overview,
+    )
+    from mechgeom.analyses.contribution.weights import (
+        ContributionCollector as ContributionCollector,
+    )
+    from mechgeom.analyses.contribution.weights import (
+        ContributionResult as ContributionResult,
+    )
+    from mechgeom.analyses.contribution.weights import (
+        contribution_weights as contribution_weights,
+    )
+    from mechgeom.analyses.contribution.weights import (
+        contribution_weights_from_cache as contribution_weights_from_cache,
+    )
+    from mechgeom.analyses.faithfulness.curves import (
+        perplexity_curves as perplexity_curves,
+    )
+    from mechgeom.analyses.faithfulness.curves import (
+        task_accuracy_curves as task_accuracy_curves,
+    )
+    from mechgeom.analyses.faithfulness.embedding import (
+        embedding_curves as embedding_curves,
+    )
+    from mechgeom.analyses.faithfulness.rankings import (
+        faithfulness_summary as faithfulness_summary,
+    )
+    from mechgeom.analyses.faithfulness.rankings import (
+        source_rankings as source_rankings,
+    )
+    from mechgeom.analyses.heads.orders import (
+        head_orders as head_orders,
+    )
+    from mechgeom.analyses.heads.pruning import (
+        retention_curves as retention_curves,
+    )
+    from mechgeom.analyses.heads.pruning import (
+        single_head_sweep as single_head_sweep,
+    )
+    from mechgeom.analyses.heads.stats import (
+        HeadStatsCollector as HeadStatsCollector,
+    )
+    from mechgeom.analyses.heads.stats import (
+        head_stats as head_stats,
+    )
+    from mechgeom.analyses.heads.stats import (
+        head_stats_from_cache as head_stats_from_cache,
+    )
+    from mechgeom.analyses.heads.taxonomy import (
+        TaxonomyCollector as TaxonomyCollector,
+    )
+    from mechgeom.analyses.heads.taxonomy import (
+        classify_heads as classify_heads,
+    )
+    from mechgeom.analyses.heads.taxonomy import (
+        classify_heads_from_cache as classify_heads_from_cache,
+    )
+    from mechgeom.analyses.scoring import (
+        encode_choices as encode_choices,
+    )
+    from mechgeom.analyses.scoring import (
+        perplexity as perplexity,
+    )
+    from mechgeom.analyses.scoring import (
+        score_choices as score_choices,
+    )
+    from mechgeom.analyses.scoring import (
+        task_accuracy as task_accuracy,
+    )
+    from mechgeom.analyses.scoring import (
+        text_nll as text_nll,
+    )
+    from mechgeom.analyses.scoring import (
+        token_nll as token_nll,
+    )
+    from mechgeom.analyses.selection.collector import (
+        SelectionCollector as SelectionCollector,
+    )
+    from mechgeom.analyses.selection.collector import (
+        token_selection as token_selection,
+    )
+    from mechgeom.analyses.selection.collector import (
+        token_selection_from_cache as token_selection_from_cache,
+    )
+    from mechgeom.analyses.sinks.ablation import (
+        sink_ablation as sink_ablation,
+    )
+    from mechgeom.analyses.sinks.convexity import (
+        convexity_by_intervention as convexity_by_intervention,
+    )
+    from mechgeom.analyses.sinks.convexity import (
+        convexity_check as convexity_check,
+    )
+    from mechgeom.analyses.sinks.encoder import (
+        encoder_sink_statistics as encoder_sink_statistics,
+    )
+    from mechgeom.analyses.sinks.geometry import (
+        SinkCollector as SinkCollector,
+    )
+    from mechgeom.analyses.sinks.statistics import (
+        sink_statistics as sink_statistics,
+    )
+    from mechgeom.analyses.sinks.statistics import (
+        sink_statistics_from_cache as sink_statistics_from_cache,
+    )
+    from mechgeom.encoder_models import (
+        sentence_embedding as sentence_embedding,
+    )
+    from mechgeom.hooks import (
+        LayerCollector as LayerCollector,
+    )
+    from mechgeom.hooks import (
+        ablate_value_hook as ablate_value_hook,
+    )
+    from mechgeom.hooks import (
+        head_ablation_hooks as head_ablation_hooks,
+    )
+    from mechgeom.hooks import (
+        mask_sources_hook as mask_sources_hook,
+    )
+    from mechgeom.hooks import (
+        masking_hooks as masking_hooks,
+    )
+    from mechgeom.hooks import (
+        modified_mask as modified_mask,
+    )
+    from mechgeom.hooks import (
+        ranked_mask_hook as ranked_mask_hook,
+    )
+    from mechgeom.hooks import (
+        replace_z_hook as replace_z_hook,
+    )
+    from mechgeom.hooks import (
+        set_sink_mass_hook as set_sink_mass_hook,
+    )
+    from mechgeom.hooks import (
+        sink_mass_hooks as sink_mass_hooks,
+    )
+    from mechgeom.hooks import (
+        sink_value_hooks as sink_value_hooks,
+    )
+    from mechgeom.hooks import (
+        to_tokens as to_tokens,
+    )
+    from mechgeom.models import (
+        list_models as list_models,
+    )
+    from mechgeom.models import (
+        load_model as load_model,
+    )

@@ -25,14 +25,13 @@ import torch
 from transformer_lens.hook_points import HookPoint
 
 from mechgeom._progress import progress
-from mechgeom.hooks.validation import TokensOrText, is_bidirectional, padding_mask, resolve_layers, to_tokens
+from mechgeom.hooks.validation import is_bidirectional, padding_mask, resolve_layers
 from mechgeom.typing import WO, Bool, Float, HeadOut, Pattern, Tensor, Tokens, Values, Z
 
 __all__ = [
     "FwdHook",
     "LayerActivations",
     "LayerCollector",
-    "collect",
     "expand_kv",
     "has_hooks",
     "head_outputs",
@@ -356,103 +355,6 @@ def run_batches(
     for start in progress(starts, desc=desc, enabled=verbose, total=len(starts)):
         batch = tokens[start : start + batch_size].to(model.cfg.device)
         run_hooks(model, batch, fwd_hooks, stop_at_layer=stop_at_layer)
-
-
-def _shareable(collector: Any) -> LayerCollector | None:
-    """The collector's :class:`LayerCollector` when its ``fwd_hooks`` are exactly that reader's hooks."""
-    lc = getattr(collector, "collector", None)
-    if type(lc) is not LayerCollector or lc.on_layer is None:
-        return None
-    mine = [(n, getattr(f, "func", None), getattr(f, "keywords", None)) for n, f in collector.fwd_hooks]
-    return lc if mine == [(n, f.func, f.keywords) for n, f in lc.fwd_hooks] else None  # type: ignore[attr-defined]
-
-
-def _shared_reader(readers: Sequence[LayerCollector]) -> LayerCollector:
-    """One reader over the union of layers that hands each layer's activations (GQA expansion and the
-    modified-``z`` check done once) to every reader's ``on_layer`` that wants that layer, in order."""
-
-    def on_layer(acts: LayerActivations) -> None:
-        for r in readers:
-            if acts.layer in r.layers:
-                r.on_layer(acts)  # type: ignore[misc]
-
-    first = readers[0]
-    layers = sorted({la for r in readers for la in r.layers})
-    return LayerCollector(
-        first.model, layers, on_layer, detach=first.detach, modified_rtol=first.modified_rtol
-    )
-
-
-def collect(
-    model: Any,
-    tokens: TokensOrText,
-    collectors: Any,
-    *,
-    batch_size: int = 8,
-    extra_hooks: Sequence[FwdHook] = (),
-    desc: str = "batches",
-    verbose: bool = False,
-) -> Any:
-    """Feed one collector or several (``.fwd_hooks``, ``.result(tokens)``, optionally ``.layers``) from ONE
-    forward pass per batch of ``batch_size`` texts; returns the result, or a list of them in order.
-
-    ``extra_hooks`` (interventions) come first, then the readers; the pass stops after the last layer any
-    collector reads (it runs to the end when one has no ``.layers``). Collectors that each wrap a
-    :class:`LayerCollector` (``.collector``, their only hooks) with the same model and ``modified_rtol``
-    share one reader: GQA expansion and :func:`modified_mask` run once per layer, not once per collector,
-    and each gets the same :class:`LayerActivations`. Others (e.g. a collector that also carries another's
-    hooks) are attached as they are. No hook stays attached, also when a collector raises. Raises
-    ``ValueError`` for an empty list or a collector given twice and ``TypeError`` for an object without
-    ``fwd_hooks``.
-
-    >>> import torch
-    >>> from transformer_lens.config import TransformerBridgeConfig
-    >>> from transformer_lens.model_bridge import TransformerBridge
-    >>> from mechgeom import SinkCollector, TaxonomyCollector
-    >>> cfg = TransformerBridgeConfig(n_layers=2, d_model=8, n_ctx=8, d_head=4, n_heads=2,
-    ...                               attn_only=True, d_vocab=10, seed=0)
-    >>> model = TransformerBridge.boot_native(cfg)  # works on TransformerLens 3.x and 4.x
-    >>> tokens = torch.tensor([[1, 2, 3, 4], [4, 3, 2, 1], [5, 6, 7, 8]])
-    >>> sinks, labels = collect(model, tokens, [SinkCollector(model), TaxonomyCollector(model)], batch_size=2)
-    >>> tuple(sinks.sink_rate.shape), len(labels.to_frame())  # [text, layer, head], one row per head
-    ((3, 2, 2), 4)
-    """
-    many = not hasattr(collectors, "fwd_hooks")
-    if many and (isinstance(collectors, str | bytes) or not isinstance(collectors, Sequence)):
-        raise TypeError(f"expected a collector or a sequence of them, got {type(collectors).__name__}")
-    cols = list(collectors) if many else [collectors]
-    if not cols:
-        raise ValueError("no collectors given: pass a collector or a non-empty sequence of them")
-    for i, c in enumerate(cols):
-        if not hasattr(c, "fwd_hooks") or not callable(getattr(c, "result", None)):
-            raise TypeError(f"collectors[{i}] ({type(c).__name__}) is not a collector: no fwd_hooks/result")
-    if len({id(c) for c in cols}) < len(cols):
-        raise ValueError("the same collector is given twice: it would read every layer twice")
-    encoders = all(getattr(c, "supports_encoders", False) for c in cols)  # an encoder needs every one to
-    tokens = to_tokens(model, tokens, what="collect with these collectors", encoders=encoders)
-    layer_sets = [getattr(c, "layers", None) for c in cols]
-    stop = None if not all(layer_sets) else 1 + max(max(ls) for ls in layer_sets)  # type: ignore[arg-type]
-    groups: dict[tuple[int, float | None, bool], list[LayerCollector]] = {}
-    order: list[Any] = []  # a collector's own hooks, or the key of a group of shared readers
-    for c in cols:
-        lc = _shareable(c)
-        if lc is None:
-            order.append(list(c.fwd_hooks))
-            continue
-        key = (id(lc.model), lc.modified_rtol, lc.detach)
-        if key not in groups:
-            order.append(key)
-        groups.setdefault(key, []).append(lc)
-    hooks = list(extra_hooks)
-    for item in order:
-        if isinstance(item, list):
-            hooks += item
-        else:
-            readers = groups[item]
-            hooks += (readers[0] if len(readers) == 1 else _shared_reader(readers)).fwd_hooks
-    run_batches(model, tokens, hooks, batch_size=batch_size, stop_at_layer=stop, desc=desc, verbose=verbose)
-    results = [c.result(tokens) for c in cols]
-    return results if many else results[0]
 
 
 def has_hooks(model: Any) -> bool:

@@ -138,9 +138,9 @@ class StageContext:
         the other (a stage reused from disk asks for nothing)."""
         key = (n_texts, tuple(sink_positions))
         if key not in self._passes:
+            from mechgeom.analyses.base import collect
             from mechgeom.analyses.heads.taxonomy import TaxonomyCollector
-            from mechgeom.analyses.sinks.statistics import SinkCollector
-            from mechgeom.hooks.readers import collect
+            from mechgeom.analyses.sinks import SinkCollector
 
             m = self.model
             cols = [

@@ -39,7 +39,7 @@ def _makers(model):
     return [
         lambda: SinkCollector(model),
         lambda: TaxonomyCollector(model),
-        lambda: SelectionCollector(model, ns=(1, 2), n_random=2),
+        lambda: SelectionCollector(model, ns=(1, 2), n_random=2, bound=False),  # several batches: no bound
         lambda: HeadStatsCollector(model, taxonomy=True),
         lambda: ContributionCollector(model),
     ]
@@ -79,7 +79,7 @@ def test_shared_reader_reads_each_layer_once(monkeypatch):
     collect(
         model,
         toks,
-        [SinkCollector(model), TaxonomyCollector(model), SelectionCollector(model, ns=(1, 2))],
+        [SinkCollector(model), TaxonomyCollector(model), SelectionCollector(model, ns=(1, 2), bound=False)],
         batch_size=2,
         extra_hooks=watch,
     )
@@ -152,3 +152,27 @@ def test_a_collector_that_raises_leaves_no_hooks():
         collect(model, toks, [SinkCollector(model), ContributionCollector(model, on_layer=boom)])
     assert not has_hooks(model)
     _same(collect(model, toks, SinkCollector(model)), _alone(model, toks, SinkCollector(model)))
+
+
+def test_selection_over_batches_is_the_selection_of_one_pass():
+    """0.2 kept only the last batch's geometry (1 text of 5, with the 5 texts' tokens); every text now counts,
+    the random baseline included (one generator per layer across passes)."""
+    model = make_tiny(n_layers=2, n_kv=2, seed=5)
+    toks = random_tokens(5, 10, seed=2)
+    make = lambda: SelectionCollector(model, ns=(1, 2), n_random=2, bound=False)  # noqa: E731
+    batched = collect(model, toks, make(), batch_size=BATCH)
+    whole = collect(model, toks, make(), batch_size=len(toks))
+    assert batched.per_query["f_top"].shape[0] == len(toks) == batched.modified.shape[0]
+    for name, t in whole.per_query.items():
+        torch.testing.assert_close(batched.per_query[name], t, equal_nan=True, msg=name)
+    _same(batched, whole)
+
+
+def test_the_bound_refuses_a_second_pass_and_fits_one_pass():
+    model = make_tiny(n_layers=2, seed=5)
+    toks = random_tokens(3, 8, seed=2)
+    with pytest.raises(ValueError, match=r"one pass.*batch_size=len"):
+        collect(model, toks, SelectionCollector(model, ns=(1, 2)), batch_size=2)
+    assert not has_hooks(model)
+    one = collect(model, toks, SelectionCollector(model, ns=(1, 2)), batch_size=3)
+    assert one.per_query["bound"].shape[0] == 3 and one.params

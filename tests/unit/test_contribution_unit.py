@@ -628,7 +628,7 @@ def test_verbose_shows_a_bar_over_layers_and_changes_nothing(capsys, monkeypatch
     assert torch.equal(quiet.intra["contribution"], loud.intra["contribution"])
     # the bar advances once per layer, as each layer is computed, and closes after the pass
     events: list[tuple[str, object]] = []
-    real_on_layer = ContributionCollector._on_layer
+    real_on_layer = ContributionCollector.on_layer
 
     def on_layer(self, acts):
         events.append(("computed", acts.layer))
@@ -644,7 +644,7 @@ def test_verbose_shows_a_bar_over_layers_and_changes_nothing(capsys, monkeypatch
             events.append(("close", None))
 
     monkeypatch.setattr(contribution, "progress", fake_progress)
-    monkeypatch.setattr(ContributionCollector, "_on_layer", on_layer)
+    monkeypatch.setattr(ContributionCollector, "on_layer", on_layer)
     contribution_weights(model, tokens, layers=[2, 0], intra=["contribution"], inter=[], verbose=True)
     assert events == [
         ("open", ("contributions", True, 2)),

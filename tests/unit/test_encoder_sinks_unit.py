@@ -13,9 +13,10 @@ import torch
 from conftest import make_tiny, random_tokens
 from reference_contribution import acts_of
 
+from mechgeom import collect
 from mechgeom.analyses.sinks.encoder import encoder_sink_statistics, merge_sink_results
 from mechgeom.analyses.sinks.statistics import SinkCollector, sink_statistics
-from mechgeom.hooks import collect, has_hooks, sink_positions_per_text
+from mechgeom.hooks import has_hooks, sink_positions_per_text
 
 PAD, CLS, SEP, UNK = 0, 1, 2, 3
 _IDS = {"[PAD]": PAD, "[CLS]": CLS, "[SEP]": SEP, "[UNK]": UNK}

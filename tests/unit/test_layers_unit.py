@@ -25,6 +25,7 @@ BELOW_HOOKS = {
     "_io",
     "_progress",
     "_batch_queue",
+    "_deprecation",
     "_kernels",
     "_model_cache",
     "sweep",

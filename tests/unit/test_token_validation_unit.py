@@ -167,7 +167,9 @@ def test_from_cache_without_tokens_has_no_token_columns(model: Any) -> None:
     assert res.tokens is None
     frame = res.to_frame()
     assert "query_token" not in frame and "key_token" not in frame
-    assert len(frame) == model.cfg.n_layers * model.cfg.n_heads * 21  # 6·7/2 (query, key) pairs per head
+    # every text (to_frame's default): 2 texts x 6·7/2 (query, key) pairs per head
+    assert len(frame) == 2 * model.cfg.n_layers * model.cfg.n_heads * 21
+    assert sorted(frame["batch"].unique()) == [0, 1]
     with_tokens = contribution_weights_from_cache(model, cache, tokens=tokens)
     assert torch.equal(with_tokens.tokens, tokens)
     sel = token_selection_from_cache(model, cache, ns=[1])

@@ -14,6 +14,7 @@ from typing import Any
 
 import pandas as pd
 
+from mechgeom.analyses.base import Result
 from mechgeom.analyses.contribution.stats import SUMMARY_METRICS, ScoreTotals, overview_summary, view_layer_of
 from mechgeom.analyses.contribution.weights import ContributionCollector, ContributionResult
 from mechgeom.hooks import FwdHook, run_batches, to_tokens, token_strings
@@ -26,7 +27,7 @@ __all__ = [
 
 
 @dataclass
-class ContributionOverview:
+class ContributionOverview(Result):
     """Headline statistics of contribution weights over a corpus (:func:`contribution_overview`).
 
     ``heads``: one row per ``(layer, head)``, columns ``layer, head`` and the statistics of

@@ -45,13 +45,15 @@ import einops
 import pandas as pd
 import torch
 
+from mechgeom._deprecation import warn_deprecated
 from mechgeom._progress import progress
+from mechgeom.analyses.base import Collector, Result, nothing_collected, run_collector
 from mechgeom.analyses.contribution.geometry import INTER_METRICS, INTRA_METRICS, LayerGeometry
 from mechgeom.analyses.contribution.stats import SUMMARY_METRICS, result_summary, special_token_frame
 from mechgeom.hooks import (
     FwdHook,
     LayerActivations,
-    LayerCollector,
+    TokensOrText,
     check_indices,
     head_outputs,
     modified_pairs,
@@ -86,7 +88,7 @@ def _check_metrics(metrics: Sequence[str] | None, allowed: Sequence[str], kind: 
 
 
 @dataclass
-class ContributionResult:
+class ContributionResult(Result):
     """Contribution weights and baselines for a batch of texts.
 
     ``intra[name]`` is ``[batch, layer, head_index, query_pos, key_pos]``; ``inter[name]`` is
@@ -166,7 +168,7 @@ class ContributionResult:
     def to_frame(
         self,
         *,
-        batch: int | None = 0,
+        batch: int | Sequence[int] | None = None,
         layers: int | Sequence[int] | None = None,
         heads: int | Sequence[int] | None = None,
         query: int | None = None,
@@ -178,8 +180,9 @@ class ContributionResult:
         tokens (a result built from a cache without tokens has none), every intra-head metric and
         factor kept (``factor_attention`` is ``attention``), ``modified`` and ``modified_share`` of the
         head at that query, then the inter-head metrics of the same ``(layer, query, key)`` prefixed
-        ``layer_``. Filters keep the table small; each is checked, and an index out of range raises
-        ``IndexError`` naming the valid range (a layer that was not analysed names the analysed ones).
+        ``layer_``. Every text by default; filters (``batch``, ``layers``, ``heads``, ``query``) keep the table
+        small; each is checked, and an index out of range raises ``IndexError`` naming the valid range (a layer
+        that was not analysed names the analysed ones).
         """
         n_batch, n_heads, pos = self.shape
         b_sel = check_indices(batch, n_batch, "batch")
@@ -236,7 +239,7 @@ class ContributionResult:
         return qq[keep], kk[keep]
 
 
-class ContributionCollector:
+class ContributionCollector(Collector):
     """A hook collector that computes the metric family layer by layer during a forward pass.
 
     Use ``collector.fwd_hooks`` with ``model.run_with_hooks``, ``model.hooks(...)`` or next to
@@ -251,8 +254,8 @@ class ContributionCollector:
     given is written again for the next layer *unless the callback kept a reference to it or to any view
     of it* (checked on the tensor's storage), so a callback that reduces or writes out its layer costs no
     fresh memory per layer, and one that keeps tensors (or views) gets fresh ones next time. A clone is
-    always safe to keep. ``reuse_buffers=True`` recycles unconditionally (the callback must copy what it
-    keeps); it is no longer needed for speed.
+    always safe to keep. ``reuse_buffers=True`` (deprecated: the storage check recycles the same buffers)
+    recycles unconditionally, so the callback must copy what it keeps.
 
     >>> import torch
     >>> from transformer_lens.config import TransformerBridgeConfig
@@ -284,11 +287,14 @@ class ContributionCollector:
             raise ValueError(
                 "reuse_buffers=True needs an on_layer callback (the buffers are overwritten per layer)"
             )
-        self.model = model
+        if reuse_buffers:
+            warn_deprecated(
+                "ContributionCollector(reuse_buffers=True)",
+                "ContributionCollector(on_layer=...) alone: buffers the callback does not keep are recycled",
+            )
+        super().__init__(model, layers)
         self.intra_metrics = _check_metrics(intra, INTRA_METRICS, "intra-head")
         self.inter_metrics = _check_metrics(inter, INTER_METRICS, "inter-head")
-        self.collector = LayerCollector(model, layers, self._on_layer)
-        self.layers = self.collector.layers
         self.user_on_layer = on_layer
         self.store_device = torch.device(store_device)
         self.reuse_buffers = reuse_buffers
@@ -301,10 +307,6 @@ class ContributionCollector:
         self._after_layer: Callable[[int], Any] | None = None  # progress of contribution_weights
         self._key_mask: Tensor | None = None  # an encoder's padding, from the last pass (LayerActivations)
         self._workspace: dict[str, Tensor] = {}  # LayerGeometry's temporaries, kept between layers
-
-    @property
-    def fwd_hooks(self) -> list[FwdHook]:
-        return self.collector.fwd_hooks
 
     def _out_tensors(self, acts: LayerActivations) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
         """Where this layer's metrics are written: reused buffers, a slice of the result, or fresh memory."""
@@ -360,7 +362,7 @@ class ContributionCollector:
                     del bufs[m]  # the callback kept it (or a view): never write into it again
                     self._versions.pop((kind, m), None)
 
-    def _on_layer(self, acts: LayerActivations) -> None:
+    def on_layer(self, acts: LayerActivations) -> None:
         geo = LayerGeometry.from_activations(acts, workspace=self._workspace)
         self._key_mask = None if acts.key_mask is None else acts.key_mask.to(self.store_device)
         out_intra, out_inter = self._out_tensors(acts)
@@ -400,18 +402,17 @@ class ContributionCollector:
         if self._after_layer is not None:
             self._after_layer(acts.layer)
 
-    def feed_cache(self, cache: Any) -> None:
-        self.collector.feed_cache(cache)
-
-    def result(self, tokens: Tokens | None = None) -> ContributionResult:
+    def build(self, tokens: Tokens | None) -> ContributionResult:
         """The metrics of the last pass as a :class:`ContributionResult`; ``tokens`` (optional) are the
         analysed ids, whose strings come from the model's tokenizer (none without a tokenizer)."""
+        if self.user_on_layer is not None:
+            raise RuntimeError(
+                "this collector streams each layer's metrics to its on_layer callback and keeps none: "
+                "collect them there, or make the collector without on_layer to get a result"
+            )
         missing = [layer for layer in self.layers if layer not in self._intra]
         if missing:
-            raise RuntimeError(
-                f"no activations were collected for layer(s) {missing}; run the model with "
-                "collector.fwd_hooks first (or feed_cache)"
-            )
+            raise nothing_collected(missing)
         if self._store is not None and all(
             self._intra[la][m].data_ptr() == self._store[0][m][:, li].data_ptr()
             for li, la in enumerate(self.layers)
@@ -427,14 +428,14 @@ class ContributionCollector:
             }
         return ContributionResult(
             layers=list(self.layers),
-            tokens=None if tokens is None else tokens.detach().cpu(),
+            tokens=tokens,
             intra=intra,
             inter=inter,
             str_tokens=token_strings(self.model, tokens),
-            model_name=str(getattr(self.model.cfg, "model_name", "")),
+            model_name=self.model_name,
             modified=torch.stack([self._modified[la][0] for la in self.layers], dim=1),
             modified_share=torch.stack([self._modified[la][1] for la in self.layers], dim=1),
-            causal=self.collector.causal,
+            causal=self.causal,
             key_mask=self._key_mask,
         )
 
@@ -454,27 +455,44 @@ def _sole_owner(t: Tensor) -> bool:
 
 def contribution_weights(
     model: Any,
-    tokens_or_text: str | Sequence[str] | Tensor,
+    tokens_or_text: TokensOrText | None,
     *,
     layers: int | Sequence[int] | None = None,
+    cache: Any = None,
+    extra_hooks: Sequence[FwdHook] = (),
+    verbose: bool = False,
     intra: Sequence[str] | None = None,
     inter: Sequence[str] | None = None,
-    extra_hooks: Sequence[FwdHook] = (),
     attention_mask: Bool[Tensor, "batch pos"] | None = None,
-    verbose: bool = False,
 ) -> ContributionResult:
-    """Contribution weights and baselines of every head of ``layers`` (default: all) in one pass.
+    """Contribution weights and baselines of every head of ``layers`` in one forward pass.
 
-    On an encoder every key is a source of every query; ``attention_mask`` (``[batch, pos]``, 1 = real token;
-    default: the ``[PAD]`` positions of ``tokens``, :func:`~mechgeom.hooks.padding_mask`) keeps padding out.
+    Args:
+        model: a decoder or an encoder (on an encoder every key is a source of every query).
+        tokens_or_text: text, texts or token ids; with ``cache``, the cached texts (optional: without them
+            the result has no token strings and its table no token columns).
+        layers: an int or a sequence of ints; ``None`` is every layer.
+        cache: an ``ActivationCache`` holding ``hook_pattern``, ``hook_v`` and ``hook_z`` of ``layers``: the
+            metrics are read from it and nothing is run. A cache taken under a ``hook_z`` patch is marked like a
+            live pass.
+        extra_hooks: ``(hook_name, fn)`` pairs run in the same pass, before mechgeom's readers on the same hook
+            point (e.g. a patching hook).
+        verbose: a progress bar over the layers as they are computed.
+        intra, inter: the metrics kept (default: all of :data:`INTRA_METRICS` and :data:`INTER_METRICS`); each
+            costs ``batch * layers * heads * q * k`` floats.
+        attention_mask: ``[batch, pos]``, 1 at real tokens; on an encoder the default is the ``[PAD]``
+            positions of the tokens (:func:`~mechgeom.hooks.padding_mask`), which are then neither sources nor
+            queries.
 
-    ``intra``/``inter`` choose the metrics kept (default: all of :data:`INTRA_METRICS` and
-    :data:`INTER_METRICS`); each costs ``batch * layers * heads * q * k`` floats. ``extra_hooks`` run in
-    the same pass (e.g. a patching hook), before mechgeom's readers on the same hook point. ``verbose``
-    shows a progress bar over the layers as they are computed.
+    Returns:
+        A :class:`ContributionResult`.
     """
-    tokens = to_tokens(model, tokens_or_text, encoders=True)
     col = ContributionCollector(model, layers, intra=intra, inter=inter)
+    if cache is not None:
+        return run_collector(model, tokens_or_text, col, cache=cache, extra_hooks=extra_hooks)  # type: ignore[no-any-return]
+    if tokens_or_text is None:
+        raise ValueError("give text or token ids to analyse, or cache= with the activations of a pass")
+    tokens = to_tokens(model, tokens_or_text, encoders=True)
     bar = _layer_bar(col.layers, verbose)
     col._after_layer = lambda _layer: next(bar, None)
     hooks = [*extra_hooks, *col.fwd_hooks]
@@ -484,7 +502,7 @@ def contribution_weights(
         close = getattr(bar, "close", None)
         if close is not None:
             close()
-    return col.result(tokens)
+    return col.result(tokens)  # type: ignore[return-value]
 
 
 def _layer_bar(layers: Sequence[int], enabled: bool) -> Iterator[int]:
@@ -503,12 +521,11 @@ def contribution_weights_from_cache(
     inter: Sequence[str] | None = None,
     tokens: Tokens | None = None,
 ) -> ContributionResult:
-    """The same result from an ``ActivationCache`` the user already has (needs ``hook_pattern``,
-    ``hook_v`` and ``hook_z`` of ``layers``). Without ``tokens`` the result's ``tokens`` is ``None`` and its
-    table has no token columns. A cache taken under a ``hook_z`` patch is marked like a live pass."""
-    col = ContributionCollector(model, layers, intra=intra, inter=inter)
-    col.feed_cache(cache)
-    return col.result(None if tokens is None else to_tokens(model, tokens, encoders=True))
+    """Deprecated: ``contribution_weights(model, tokens, cache=cache, ...)`` gives the same result."""
+    warn_deprecated(
+        "contribution_weights_from_cache(model, cache)", "contribution_weights(model, tokens, cache=cache)"
+    )
+    return contribution_weights(model, tokens, layers=layers, cache=cache, intra=intra, inter=inter)
 
 
 def reconstruct_attn_out(model: Any, acts: LayerActivations) -> Float[Tensor, "batch pos d_model"]:

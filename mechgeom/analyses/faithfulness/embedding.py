@@ -50,6 +50,7 @@ import pandas as pd
 import torch
 
 from mechgeom._progress import progress
+from mechgeom.analyses.base import Result
 from mechgeom.analyses.contribution.weights import RANKING_METRICS
 from mechgeom.analyses.faithfulness.rankings import (
     FAITHFULNESS_METRICS,
@@ -109,7 +110,7 @@ def embedding_effect(
 
 
 @dataclass
-class EmbeddingFaithfulness:
+class EmbeddingFaithfulness(Result):
     """The effects of :func:`embedding_curves`: ``effects[metric, mode, rate, text]`` (float64; rate 0 is 0).
 
     ``unit_hashes[t]`` and ``n_tokens[t]`` name text ``t`` (content hash of its real tokens, their number).
@@ -175,7 +176,7 @@ class EmbeddingFaithfulness:
         frame = pd.DataFrame(rows)
         return frame.assign(n_texts=self.n_texts, layers=self.layers_label, scope=self.scope, seed=self.seed)
 
-    def summary(self, claimed: Sequence[str] = RANKING_METRICS) -> dict[str, Any]:
+    def summary(self, *, claimed: Sequence[str] = RANKING_METRICS) -> dict[str, Any]:
         """Per mode, the metrics ordered by area under the effect curve and whether paper A's order holds
         (:func:`embedding_summary` of :meth:`to_frame`)."""
         frame = pd.DataFrame(

@@ -48,6 +48,7 @@ import numpy as np
 import pandas as pd
 import torch
 
+from mechgeom.analyses.base import Result
 from mechgeom.analyses.contribution.weights import (
     INTER_METRICS,
     INTRA_METRICS,
@@ -58,7 +59,7 @@ from mechgeom.analyses.scoring import target_logprob
 from mechgeom.hooks import (
     MODES,
     FwdHook,
-    check_index,
+    check_indices,
     check_mode,
     check_rate,
     rank_sources,
@@ -159,7 +160,7 @@ def check_sweep_settings(
 
 
 @dataclass
-class SourceRanking:
+class SourceRanking(Result):
     """Per-query rankings of the sources at each layer, computed from a clean pass.
 
     ``ranks[layer]`` is ``[batch, head_index, q, k]`` (``scope="intra"``) or ``[batch, 1, q, k]``
@@ -193,30 +194,45 @@ class SourceRanking:
             torch.equal(self.ranks[la], other.ranks[la]) for la in self.ranks
         )
 
-    def to_frame(self, *, batch: int = 0, layer: int | None = None) -> pd.DataFrame:
-        """Tidy table: ``layer, head, query, key, rank`` for ``key <= query`` (head -1 = whole layer).
+    def summary(self) -> dict[str, Any]:
+        """``metric``, ``scope``, ``seed``, the ranked ``layers``, ``n_texts`` and the ranks' ``nbytes``."""
+        first = next(iter(self.ranks.values()), None)
+        return {
+            "metric": self.metric,
+            "scope": self.scope,
+            "seed": self.seed,
+            "layers": self.layers,
+            "n_texts": 0 if first is None else int(first.shape[0]),
+            "nbytes": self.nbytes,
+        }
 
-        ``batch`` and ``layer`` are checked: out of range raises ``IndexError`` naming the valid range."""
+    def to_frame(self, *, batch: int | None = None, layer: int | None = None) -> pd.DataFrame:
+        """Tidy table: ``batch, layer, head, query, key, rank`` for ``key <= query`` (head -1 = whole layer).
+
+        ``batch`` (default: every text) and ``layer`` are checked: out of range raises ``IndexError`` naming
+        the valid range."""
         frames = []
         sel = self.layers if layer is None else [layer]
         for la in sel:
             if la not in self.ranks:
                 raise IndexError(f"layer {la} was not ranked; ranked layers are {self.layers}")
         for la in sel:
-            r = self.ranks[la][check_index(batch, self.ranks[la].shape[0], "batch")]  # [rank_head, q, k]
-            qq, kk = torch.tril_indices(r.shape[-2], r.shape[-1])
-            for h in range(r.shape[0]):
-                frames.append(
-                    pd.DataFrame(
-                        {
-                            "layer": la,
-                            "head": h if self.scope == "intra" else -1,
-                            "query": qq.numpy(),
-                            "key": kk.numpy(),
-                            "rank": r[h, qq, kk].long().cpu().numpy(),
-                        }
+            for b in check_indices(batch, self.ranks[la].shape[0], "batch"):
+                r = self.ranks[la][b]  # [rank_head, q, k]
+                qq, kk = torch.tril_indices(r.shape[-2], r.shape[-1])
+                for h in range(r.shape[0]):
+                    frames.append(
+                        pd.DataFrame(
+                            {
+                                "batch": b,
+                                "layer": la,
+                                "head": h if self.scope == "intra" else -1,
+                                "query": qq.numpy(),
+                                "key": kk.numpy(),
+                                "rank": r[h, qq, kk].long().cpu().numpy(),
+                            }
+                        )
                     )
-                )
         return pd.concat(frames, ignore_index=True)
 
 

@@ -33,6 +33,7 @@ import torch
 from mechgeom._progress import progress
 
 # the statistics and the orders moved to their own modules; their public names are re-exported here
+from mechgeom.analyses.base import Result
 from mechgeom.analyses.heads.orders import (
     RETENTION_LEVELS,
     all_heads,
@@ -135,7 +136,7 @@ def _nll_from_layer(
 
 
 @dataclass
-class SingleHeadResult:
+class SingleHeadResult(Result):
     """Single-head ablation NLLs: ``nll[l, h, t]`` is text ``t``'s mean NLL with head ``(l, h)`` removed."""
 
     clean_nll: Float[Tensor, " text"]
@@ -430,7 +431,7 @@ def retention_curve(
 
 
 @dataclass
-class RetentionCurves:
+class RetentionCurves(Result):
     """Retention curves of several orders (one tidy frame) and the number of heads of the model."""
 
     frame: pd.DataFrame

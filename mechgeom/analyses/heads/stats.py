@@ -21,7 +21,7 @@ The weights give the magnitude baseline, ``‖W_V[h] W_O[h]‖_F`` (:func:`weigh
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import einops
@@ -29,20 +29,21 @@ import numpy as np
 import pandas as pd
 import torch
 
+from mechgeom._deprecation import warn_deprecated
+from mechgeom.analyses.base import Collector, Result, run_collector
 from mechgeom.analyses.heads.taxonomy import TaxonomyCollector, TaxonomyResult
 from mechgeom.hooks import (
     FwdHook,
     LayerActivations,
-    LayerCollector,
     TokensOrText,
     check_sink_positions,
-    collect,
     head_outputs,
+    hook_name,
     layer_W_O,
     to_tokens,
 )
 from mechgeom.maths import wo_gram
-from mechgeom.typing import WO, Float, Pattern, Tensor, Z
+from mechgeom.typing import WO, Float, Pattern, Tensor, Tokens, Z
 
 __all__ = [
     "HeadStats",
@@ -106,10 +107,12 @@ def weight_magnitude(model: Any) -> Float[Tensor, "layer head_index"]:
 
 
 @dataclass
-class HeadStats:
+class HeadStats(Result):
     """Per-head reference statistics (see the module docstring for exactly which positions are averaged).
 
-    ``taxonomy`` holds the labels of the same passes (:func:`head_stats` with ``taxonomy=True``).
+    Tensors are indexed ``[i, head]`` where ``layers[i]`` is the model layer (every layer by default, as
+    pruning needs). ``taxonomy`` holds the labels of the same passes (:func:`head_stats` with
+    ``taxonomy=True``).
     """
 
     z_mean: Float[Tensor, "layer head_index d_head"]
@@ -118,13 +121,19 @@ class HeadStats:
     n_positions: int
     start_pos: int = 0
     taxonomy: TaxonomyResult | None = None
+    layers: list[int] = field(default_factory=list)
+    model_name: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.layers:
+            self.layers = list(range(int(self.out_norm.shape[0])))
 
     def to_frame(self) -> pd.DataFrame:
         """One row per head: ``layer, head, out_norm, entropy``."""
         n_layers, n_heads = self.out_norm.shape
         return pd.DataFrame(
             {
-                "layer": np.repeat(np.arange(n_layers), n_heads),
+                "layer": np.repeat(np.asarray(self.layers, dtype=np.int64), n_heads),
                 "head": np.tile(np.arange(n_heads), n_layers),
                 "out_norm": self.out_norm.flatten().cpu().numpy(),
                 "entropy": self.entropy.flatten().cpu().numpy(),
@@ -146,61 +155,63 @@ class HeadStats:
         return out
 
 
-class HeadStatsCollector:
-    """Collector of :class:`HeadStats` on :class:`mechgeom.hooks.LayerCollector` (every layer).
+class HeadStatsCollector(Collector):
+    """Collector of :class:`HeadStats` (every layer by default: pruning needs them all).
 
-    ``fwd_hooks`` read ``hook_pattern``, ``hook_v`` and ``hook_z``; sums add up over forward passes (or
-    :meth:`feed_cache` calls); :meth:`result` divides. With ``taxonomy=True`` a
-    :class:`~mechgeom.analyses.heads.taxonomy.TaxonomyCollector` reads the same hooks.
+    Sums add up over forward passes (or :meth:`feed_cache` calls); :meth:`result` divides. With
+    ``taxonomy=True`` a :class:`~mechgeom.analyses.heads.taxonomy.TaxonomyCollector` of the same layers is fed
+    the same activations (its :meth:`~mechgeom.analyses.base.Collector.receive`), so it adds no hooks and the
+    reader stays shared in :func:`~mechgeom.analyses.base.collect`.
     """
 
     def __init__(
-        self, model: Any, *, start_pos: int = 0, taxonomy: bool = False, sink_positions: Sequence[int] = (0,)
+        self,
+        model: Any,
+        layers: int | Sequence[int] | None = None,
+        *,
+        start_pos: int = 0,
+        taxonomy: bool = False,
+        sink_positions: Sequence[int] = (0,),
     ) -> None:
         if start_pos < 0:
             raise ValueError(f"start_pos must be >= 0, got {start_pos}")
-        n_layers, n_heads, d_head = int(model.cfg.n_layers), int(model.cfg.n_heads), int(model.cfg.d_head)
-        self.model = model
+        super().__init__(model, layers)
+        n_layers, n_heads, d_head = len(self.layers), int(model.cfg.n_heads), int(model.cfg.d_head)
         self.start_pos = start_pos
+        self._index = {layer: i for i, layer in enumerate(self.layers)}
         self.z_sum = torch.zeros(n_layers, n_heads, d_head, dtype=torch.float64)
         self.norm_sum = torch.zeros(n_layers, n_heads, dtype=torch.float64)
         self.entropy_sum = torch.zeros(n_layers, n_heads, dtype=torch.float64)
         self.n_z = 0
         self.n_q = 0
-        self.collector = LayerCollector(model, None, self._on_layer)
-        self.taxonomy = TaxonomyCollector(model, None, sink_positions=sink_positions) if taxonomy else None
+        self.taxonomy = (
+            TaxonomyCollector(model, self.layers, sink_positions=sink_positions) if taxonomy else None
+        )
 
-    @property
-    def fwd_hooks(self) -> list[FwdHook]:
-        return [*self.collector.fwd_hooks, *([] if self.taxonomy is None else self.taxonomy.fwd_hooks)]
-
-    def _on_layer(self, acts: LayerActivations) -> None:
-        layer = acts.layer
+    def on_layer(self, acts: LayerActivations) -> None:
+        li = self._index[acts.layer]
         zs = acts.z[:, self.start_pos :]  # [batch pos head_index d_head]
-        self.z_sum[layer] += zs.double().sum(dim=(0, 1)).cpu()
-        self.norm_sum[layer] += head_output_norm(zs, acts.W_O).double().sum(dim=(0, 1)).cpu()
+        self.z_sum[li] += zs.double().sum(dim=(0, 1)).cpu()
+        self.norm_sum[li] += head_output_norm(zs, acts.W_O).double().sum(dim=(0, 1)).cpu()
         ent = pattern_entropy(acts.pattern[:, :, self.start_pos :])  # [batch head_index query_pos]
-        self.entropy_sum[layer] += ent.sum(dim=(0, 2)).cpu()
-        if layer == 0:
+        self.entropy_sum[li] += ent.sum(dim=(0, 2)).cpu()
+        if li == 0:
             self.n_z += zs.shape[0] * zs.shape[1]
             self.n_q += ent.shape[0] * ent.shape[2]
-
-    def feed_cache(self, cache: Any) -> None:
-        """Replay an ``ActivationCache`` holding ``hook_pattern``, ``hook_v``, ``hook_z`` of every layer."""
-        self.collector.feed_cache(cache)
         if self.taxonomy is not None:
-            self.taxonomy.feed_cache(cache)
+            self.taxonomy.receive(acts)
 
-    def result(self, tokens: Any = None) -> HeadStats:
-        if self.n_z == 0:
-            raise RuntimeError("no activations were collected; run the model with fwd_hooks first")
+    def build(self, tokens: Tokens | None) -> HeadStats:
+        """The means of every pass so far."""
         return HeadStats(
             z_mean=(self.z_sum / self.n_z).float(),
             out_norm=(self.norm_sum / self.n_z).float(),
             entropy=(self.entropy_sum / self.n_q).float(),
             n_positions=self.n_z,
             start_pos=self.start_pos,
-            taxonomy=None if self.taxonomy is None else self.taxonomy.result(),
+            taxonomy=None if self.taxonomy is None else self.taxonomy.result(tokens),  # type: ignore[arg-type]
+            layers=list(self.layers),
+            model_name=self.model_name,
         )
 
 
@@ -218,35 +229,64 @@ def _check_positions(n_pos: int, start_pos: int, taxonomy: bool, sink_positions:
 
 def head_stats(
     model: Any,
-    tokens_or_text: TokensOrText,
+    tokens_or_text: TokensOrText | None,
     *,
+    layers: int | Sequence[int] | None = None,
+    cache: Any = None,
+    extra_hooks: Sequence[FwdHook] = (),
+    verbose: bool = False,
     start_pos: int = 0,
     batch_size: int = 8,
     taxonomy: bool = True,
     sink_positions: Sequence[int] = (0,),
-    extra_hooks: Sequence[FwdHook] = (),
-    verbose: bool = False,
 ) -> HeadStats:
-    """Reference statistics of every head over ``tokens`` ``[n_texts, pos]``, one pass per batch.
+    """Reference statistics of every head of ``layers`` over ``tokens`` ``[n_texts, pos]``, one pass per batch.
 
     Averages over every window and every position ``i >= start_pos``: ``z_mean`` (mean ``z[b,i,h]``),
     ``out_norm`` (mean ``‖z[b,i,h] @ W_O[h]‖``, :func:`head_output_norm`) and ``entropy`` (mean
-    :func:`pattern_entropy` over query rows ``i >= start_pos``). The forward stops before the unembedding.
-    With ``taxonomy`` (default) the same passes label every head
-    (:class:`~mechgeom.analyses.heads.taxonomy.TaxonomyCollector` with ``sink_positions``), kept in
-    :attr:`HeadStats.taxonomy`. ``extra_hooks`` run in the same passes, before the readers.
+    :func:`pattern_entropy` over query rows ``i >= start_pos``). The forward stops after the last layer read.
+
+    Args:
+        model: a causal decoder.
+        tokens_or_text: text, texts or token ids (the cached texts with ``cache``, optional there).
+        layers: ``None`` (every layer, what pruning needs), an int or a sequence of ints.
+        cache: an ``ActivationCache`` with ``hook_pattern``, ``hook_v``, ``hook_z`` of ``layers``; nothing runs.
+        extra_hooks: interventions run in the same passes, before the readers.
+        verbose: a progress bar over batches.
+        start_pos: the first position averaged.
+        batch_size: texts per forward pass.
+        taxonomy: also label every head from the same passes
+            (:class:`~mechgeom.analyses.heads.taxonomy.TaxonomyCollector` with ``sink_positions``), kept in
+            :attr:`HeadStats.taxonomy`.
+
+    Returns:
+        A :class:`HeadStats`.
     """
     if start_pos < 0:
         raise ValueError(f"start_pos must be >= 0, got {start_pos}")
-    if batch_size < 1:
-        raise ValueError(f"batch_size must be positive, got {batch_size}")
-    tokens = to_tokens(
-        model, tokens_or_text, min_pos=start_pos + 1, what=f"head statistics from start_pos={start_pos}"
+    col = HeadStatsCollector(
+        model, layers, start_pos=start_pos, taxonomy=taxonomy, sink_positions=sink_positions
     )
-    _check_positions(tokens.shape[1], start_pos, taxonomy, sink_positions)
-    col = HeadStatsCollector(model, start_pos=start_pos, taxonomy=taxonomy, sink_positions=sink_positions)
-    return collect(  # type: ignore[no-any-return]
-        model, tokens, col, batch_size=batch_size, extra_hooks=extra_hooks, desc="head stats", verbose=verbose
+    if cache is not None:
+        _check_positions(
+            int(cache[hook_name(col.layers[0], "z")].shape[1]), start_pos, taxonomy, sink_positions
+        )
+    elif tokens_or_text is not None:
+        n_pos = to_tokens(
+            model, tokens_or_text, min_pos=start_pos + 1, what=f"head statistics from start_pos={start_pos}"
+        ).shape[1]
+        _check_positions(n_pos, start_pos, taxonomy, sink_positions)
+    return run_collector(  # type: ignore[no-any-return]
+        model,
+        tokens_or_text,
+        col,
+        cache=cache,
+        extra_hooks=extra_hooks,
+        batch_size=batch_size,
+        verbose=verbose,
+        desc="head stats",
+        min_pos=start_pos + 1,
+        what=f"head statistics from start_pos={start_pos}",
     )
 
 
@@ -258,8 +298,8 @@ def head_stats_from_cache(
     taxonomy: bool = True,
     sink_positions: Sequence[int] = (0,),
 ) -> HeadStats:
-    """The same statistics from an ``ActivationCache`` holding ``hook_pattern``, ``hook_v``, ``hook_z``."""
-    _check_positions(int(cache["blocks.0.attn.hook_z"].shape[1]), start_pos, taxonomy, sink_positions)
-    col = HeadStatsCollector(model, start_pos=start_pos, taxonomy=taxonomy, sink_positions=sink_positions)
-    col.feed_cache(cache)
-    return col.result()
+    """Deprecated: ``head_stats(model, None, cache=cache, ...)`` gives the same statistics."""
+    warn_deprecated("head_stats_from_cache(model, cache)", "head_stats(model, tokens, cache=cache)")
+    return head_stats(
+        model, None, cache=cache, start_pos=start_pos, taxonomy=taxonomy, sink_positions=sink_positions
+    )

@@ -29,12 +29,13 @@ import numpy as np
 import pandas as pd
 import torch
 
+from mechgeom._deprecation import warn_deprecated
+from mechgeom.analyses.base import Collector, Result, run_collector
 from mechgeom.hooks import (
     FwdHook,
     LayerActivations,
-    LayerCollector,
+    TokensOrText,
     check_sink_positions,
-    collect,
     head_outputs,
     modified_pairs,
     to_tokens,
@@ -185,7 +186,7 @@ def layer_taxonomy(
 
 
 @dataclass
-class TaxonomyResult:
+class TaxonomyResult(Result):
     """Winner counts of every analysed head; :meth:`to_frame` gives the per-head table.
 
     ``sums[name]`` is ``[layer, head_index]`` (see :func:`layer_taxonomy`); ``winners`` (kept on request)
@@ -271,7 +272,7 @@ class TaxonomyResult:
         }
 
 
-class TaxonomyCollector:
+class TaxonomyCollector(Collector):
     """Hook collector (on :class:`mechgeom.hooks.LayerCollector`) that accumulates winner counts.
 
     ``fwd_hooks`` read ``hook_pattern``, ``hook_v`` and ``hook_z``; counts add up over as many forward
@@ -288,20 +289,14 @@ class TaxonomyCollector:
         keep_winners: bool = False,
         corpus: str = "",
     ) -> None:
-        self.model = model
+        super().__init__(model, layers)
         self.sink_positions = check_sink_positions(sink_positions)
         self.keep_winners = keep_winners
         self.corpus = str(corpus)
-        self.collector = LayerCollector(model, layers, self._on_layer)
-        self.layers = self.collector.layers
         self._sums: dict[int, dict[str, Tensor]] = {}
         self._winners: dict[int, list[Tensor]] = {la: [] for la in self.layers}
 
-    @property
-    def fwd_hooks(self) -> list[FwdHook]:
-        return self.collector.fwd_hooks
-
-    def _on_layer(self, acts: LayerActivations) -> None:
+    def on_layer(self, acts: LayerActivations) -> None:
         with torch.no_grad():
             res = layer_taxonomy(
                 acts.pattern,
@@ -317,17 +312,8 @@ class TaxonomyCollector:
         prev = self._sums.get(acts.layer)
         self._sums[acts.layer] = res if prev is None else {k: prev[k] + res[k] for k in res}
 
-    def feed_cache(self, cache: Any) -> None:
-        self.collector.feed_cache(cache)
-
-    def result(self, tokens: Tokens | None = None) -> TaxonomyResult:
+    def build(self, tokens: Tokens | None) -> TaxonomyResult:
         """The pooled counts of every pass so far; ``tokens`` (the texts analysed) are kept on the result."""
-        missing = [la for la in self.layers if la not in self._sums]
-        if missing:
-            raise RuntimeError(
-                f"no activations were collected for layer(s) {missing}; run the model with "
-                "collector.fwd_hooks first (or feed_cache)"
-            )
         sums = {k: torch.stack([self._sums[la][k] for la in self.layers]) for k in _SUMS}
         winners = None
         if self.keep_winners:
@@ -337,42 +323,66 @@ class TaxonomyCollector:
             sums=sums,
             sink_positions=self.sink_positions,
             winners=winners,
-            model_name=str(getattr(self.model.cfg, "model_name", "")),
+            model_name=self.model_name,
             corpus=self.corpus,
-            tokens=None if tokens is None else tokens.detach().cpu(),
+            tokens=tokens,
         )
 
 
 def classify_heads(
     model: Any,
-    tokens_or_text: str | Sequence[str] | Tensor,
+    tokens_or_text: TokensOrText | None,
     *,
     layers: int | Sequence[int] | None = None,
+    cache: Any = None,
+    extra_hooks: Sequence[FwdHook] = (),
+    verbose: bool = False,
     sink_positions: Sequence[int] = (0,),
     batch_size: int = 8,
     keep_winners: bool = False,
-    extra_hooks: Sequence[FwdHook] = (),
     corpus: str = "",
-    verbose: bool = False,
 ) -> TaxonomyResult:
-    """Label every head of ``layers`` (default: all) from forward passes over ``tokens`` in batches.
+    """Label every head of ``layers`` Retriever, Mixer or Reset from its source winners.
 
-    ``extra_hooks`` run in the same passes, before mechgeom's readers (e.g. a pattern intervention).
+    Args:
+        model: a causal decoder.
+        tokens_or_text: text, texts or token ids (the cached texts with ``cache``, optional there).
+        layers: an int or a sequence of ints; ``None`` is every layer.
+        cache: an ``ActivationCache`` with ``hook_pattern``, ``hook_v``, ``hook_z`` of ``layers``; nothing runs.
+        extra_hooks: interventions run in the same passes, before mechgeom's readers (e.g. a pattern edit).
+        verbose: a progress bar over batches.
+        sink_positions: the sink set of ``f_sink`` (default the first position).
+        batch_size: texts per forward pass (the counts add up over passes).
+        keep_winners: keep every query's winner (``[text, layer, head, query]``) on the result.
+        corpus: a label for the result's table.
+
+    Returns:
+        A :class:`TaxonomyResult`.
     """
-    tokens = to_tokens(model, tokens_or_text, min_pos=2, what="the taxonomy (a query after the sink)")
-    sinks = check_sink_positions(sink_positions, tokens.shape[1])
-    if max(sinks) + 1 >= tokens.shape[1]:
-        raise ValueError(
-            f"the taxonomy needs a query after the sink position(s) {list(sinks)}: "
-            f"sequences of {tokens.shape[1]} positions have none"
-        )
-    if batch_size < 1:
-        raise ValueError(f"batch_size must be positive, got {batch_size}")
     col = TaxonomyCollector(
         model, layers, sink_positions=sink_positions, keep_winners=keep_winners, corpus=corpus
     )
-    return collect(
-        model, tokens, col, batch_size=batch_size, extra_hooks=extra_hooks, desc="taxonomy", verbose=verbose
+    what = "the taxonomy (a query after the sink)"
+    if cache is None and tokens_or_text is not None:
+        tokens = to_tokens(model, tokens_or_text, min_pos=2, what=what)
+        sinks = check_sink_positions(sink_positions, tokens.shape[1])
+        if max(sinks) + 1 >= tokens.shape[1]:
+            raise ValueError(
+                f"the taxonomy needs a query after the sink position(s) {list(sinks)}: "
+                f"sequences of {tokens.shape[1]} positions have none"
+            )
+        tokens_or_text = tokens
+    return run_collector(  # type: ignore[no-any-return]
+        model,
+        tokens_or_text,
+        col,
+        cache=cache,
+        extra_hooks=extra_hooks,
+        batch_size=batch_size,
+        verbose=verbose,
+        desc="taxonomy",
+        min_pos=2,
+        what=what,
     )
 
 
@@ -386,15 +396,17 @@ def classify_heads_from_cache(
     tokens: Tokens | None = None,
     corpus: str = "",
 ) -> TaxonomyResult:
-    """The same labels from an ``ActivationCache`` holding ``hook_pattern``, ``hook_v``, ``hook_z``.
-
-    ``tokens`` (the cached texts, optional) are kept on the result.
-    """
-    col = TaxonomyCollector(
-        model, layers, sink_positions=sink_positions, keep_winners=keep_winners, corpus=corpus
+    """Deprecated: ``classify_heads(model, tokens, cache=cache, ...)`` gives the same labels."""
+    warn_deprecated("classify_heads_from_cache(model, cache)", "classify_heads(model, tokens, cache=cache)")
+    return classify_heads(
+        model,
+        tokens,
+        layers=layers,
+        cache=cache,
+        sink_positions=sink_positions,
+        keep_winners=keep_winners,
+        corpus=corpus,
     )
-    col.feed_cache(cache)
-    return col.result(None if tokens is None else to_tokens(model, tokens))
 
 
 # --------------------------------------------------------------------------- tables
@@ -439,7 +451,7 @@ def regime_summary(table: pd.DataFrame) -> pd.DataFrame:
 
 
 @dataclass
-class AgreementResult:
+class AgreementResult(Result):
     """Label agreement between corpora: ``pairwise`` (one row per pair), ``all_agree`` (share of heads
     with the same label in every table) and ``confusion[(a, b)]`` (rows: labels in ``a``, columns: in
     ``b``)."""
@@ -447,6 +459,10 @@ class AgreementResult:
     pairwise: pd.DataFrame
     all_agree: float
     confusion: dict[tuple[str, str], pd.DataFrame]
+
+    def to_frame(self) -> pd.DataFrame:
+        """One row per pair of tables: ``a, b, n_heads, agreement``."""
+        return self.pairwise.copy()
 
     def summary(self) -> dict[str, Any]:
         """``{"pairwise": [one record per pair: a, b, n_heads, agreement], "all_agree": share}``."""

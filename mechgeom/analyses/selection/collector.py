@@ -47,7 +47,9 @@ import numpy as np
 import pandas as pd
 import torch
 
+from mechgeom._deprecation import warn_deprecated
 from mechgeom._progress import progress
+from mechgeom.analyses.base import Collector, Result, run_collector
 from mechgeom.analyses.selection.bounds import (
     bound_vs_measured,
     fit_bound_params,
@@ -69,10 +71,9 @@ from mechgeom.analyses.selection.geometry import (
 from mechgeom.hooks import (
     FwdHook,
     LayerActivations,
-    LayerCollector,
+    TokensOrText,
     check_sink_positions,
     modified_pairs,
-    run_hooks,
     to_tokens,
 )
 from mechgeom.maths import wo_gram
@@ -129,6 +130,7 @@ def layer_selection(
     dtype: torch.dtype = torch.float32,
     batch_chunk: int | None = None,
     verbose: bool = False,
+    generator: torch.Generator | None = None,
 ) -> dict[str, Any]:
     """Every §B quantity of one layer, vectorised over batch, heads and queries (a loop over ``N``).
 
@@ -146,7 +148,9 @@ def layer_selection(
     ``torch.float64`` for (near-)exact ``F_N`` near ties (float32 resolves ``d_j²`` only to about
     ``1e-7 ‖s_N‖²``, so exactly tied distances can split); the bound's parameters are always fitted
     in float64, and the outputs are stored as float32 either way (rounding keeps ``bound <= F_N``).
-    ``batch_chunk`` bounds memory (rows processed together).
+    ``batch_chunk`` bounds memory (rows processed together). ``generator`` (default: a new one seeded with
+    ``seed``) draws the random subsets, chunk after chunk of texts; a collector passes the same one for every
+    batch, so the draws do not depend on how the texts were batched (for batches that are whole chunks).
     """
     check_dtype(dtype)
     check_pattern_v(pattern, v)
@@ -172,7 +176,7 @@ def layer_selection(
     n_src = cand.sum(-1)  # [nq]
     n_src_ns = cand_ns.sum(-1)
     params = fit_bound_params(v, sinks, metric=metric) if bound else None
-    gen = torch.Generator(device=device).manual_seed(int(seed))
+    gen = torch.Generator(device=device).manual_seed(int(seed)) if generator is None else generator
     nan = float("nan")
     out = {name: torch.full((b, h, len(queries), len(ns)), nan, dtype=torch.float32) for name in PER_QUERY}
     step = b if batch_chunk is None else max(1, int(batch_chunk))
@@ -220,7 +224,7 @@ def layer_selection(
 
 
 @dataclass
-class SelectionResult:
+class SelectionResult(Result):
     """Token-selection geometry of a batch of texts.
 
     ``per_query[name]`` is ``[batch, layer, head_index, query, n_N]`` (names: :data:`PER_QUERY`);
@@ -421,7 +425,7 @@ class SelectionResult:
         return out
 
 
-class SelectionCollector:
+class SelectionCollector(Collector):
     """A hook collector that computes :func:`layer_selection` layer by layer during a forward pass.
 
     Built on :class:`mechgeom.hooks.LayerCollector` (``hook_pattern``, ``hook_v``, ``hook_z``); use
@@ -446,7 +450,7 @@ class SelectionCollector:
         batch_chunk: int | None = 2,
         verbose: bool = False,
     ) -> None:
-        self.model = model
+        super().__init__(model, layers)
         self.ns = check_ns(ns)
         if n_random < 0:
             raise ValueError(f"n_random must be >= 0, got {n_random}")
@@ -462,15 +466,10 @@ class SelectionCollector:
         }
         self.seed = seed
         self.verbose = verbose
-        self.collector = LayerCollector(model, layers, self._on_layer)
-        self.layers = self.collector.layers
-        self._done: dict[int, dict[str, Any]] = {}
+        self._done: dict[int, list[dict[str, Any]]] = {}
+        self._generators: dict[int, torch.Generator] = {}
 
-    @property
-    def fwd_hooks(self) -> list[FwdHook]:
-        return self.collector.fwd_hooks
-
-    def _on_layer(self, acts: LayerActivations) -> None:
+    def on_layer(self, acts: LayerActivations) -> None:
         n_pos = acts.pattern.shape[-1]
         too_big = [n for n in self.ns if n > n_pos]
         if too_big:
@@ -479,85 +478,113 @@ class SelectionCollector:
                 f"{n_pos} positions): F_N is NaN there",
                 stacklevel=2,
             )
-        with torch.no_grad():
-            self._done[acts.layer] = layer_selection(
-                acts.pattern,
-                acts.v,
-                W_O=acts.W_O,
-                seed=self.seed * 1_000_003 + acts.layer,
-                verbose=self.verbose,
-                **self.kwargs,
+        if self.kwargs["bound"] and self._done.get(acts.layer):
+            raise ValueError(
+                "the sink-aware bound fits its parameters over every text of one pass, and this collector "
+                f"already read layer {acts.layer} in an earlier pass: put all texts in one batch "
+                "(token_selection does; collect(..., batch_size=len(texts))), or pass bound=False to "
+                "accumulate the other quantities over batches"
             )
-            queries = torch.tensor(self._done[acts.layer]["queries"], dtype=torch.long)
+        gen = self._generators.get(acts.layer)
+        if gen is None:
+            gen = torch.Generator(device=acts.pattern.device).manual_seed(self.seed * 1_000_003 + acts.layer)
+            self._generators[acts.layer] = gen
+        with torch.no_grad():
+            done = layer_selection(
+                acts.pattern, acts.v, W_O=acts.W_O, verbose=self.verbose, generator=gen, **self.kwargs
+            )
+            queries = torch.tensor(done["queries"], dtype=torch.long)
             mod = acts.modified
-            self._done[acts.layer]["modified"] = (
+            done["modified"] = (
                 torch.zeros((*acts.pattern.shape[:2], len(queries)), dtype=torch.bool)
                 if mod is None
                 else mod[:, :, queries.to(mod.device)].cpu()
             )
+        self._done.setdefault(acts.layer, []).append(done)
 
-    def feed_cache(self, cache: Any) -> None:
-        self.collector.feed_cache(cache)
-
-    def result(self, tokens: Tokens | None = None) -> SelectionResult:
-        missing = [layer for layer in self.layers if layer not in self._done]
-        if missing:
-            raise RuntimeError(
-                f"no activations were collected for layer(s) {missing}; run the model with "
-                "collector.fwd_hooks first (or feed_cache)"
+    def build(self, tokens: Tokens | None) -> SelectionResult:
+        """The selection geometry of every text read so far (passes in order); ``tokens`` are kept."""
+        lengths = {d["per_query"]["f_top"].shape[2] for la in self.layers for d in self._done[la]}
+        if len(lengths) > 1:
+            raise ValueError(
+                f"batches of different sequence lengths {sorted(lengths)}; use equal-length texts"
             )
         per_query = {
-            name: torch.stack([self._done[la]["per_query"][name] for la in self.layers], dim=1)
+            name: torch.stack(
+                [torch.cat([d["per_query"][name] for d in self._done[la]]) for la in self.layers], dim=1
+            )
             for name in PER_QUERY
         }
         params: dict[str, Tensor] = {}
-        if self.kwargs["bound"]:
-            keys = self._done[self.layers[0]]["params"].keys()
-            params = {k: torch.stack([self._done[la]["params"][k] for la in self.layers]) for k in keys}
+        if self.kwargs["bound"]:  # one pass (see on_layer)
+            keys = self._done[self.layers[0]][0]["params"].keys()
+            params = {k: torch.stack([self._done[la][0]["params"][k] for la in self.layers]) for k in keys}
         return SelectionResult(
             layers=list(self.layers),
             ns=list(self.ns),
-            tokens=None if tokens is None else tokens.detach().cpu(),
-            queries=list(self._done[self.layers[0]]["queries"]),
+            tokens=tokens,
+            queries=list(self._done[self.layers[0]][0]["queries"]),
             per_query=per_query,
             params=params,
             projected=bool(self.kwargs["projected"]),
             sink_positions=tuple(self.kwargs["sink_positions"]),
             n_random=int(self.kwargs["n_random"]),
-            model_name=str(getattr(self.model.cfg, "model_name", "")),
-            modified=torch.stack([self._done[la]["modified"] for la in self.layers], dim=1),
+            model_name=self.model_name,
+            modified=torch.stack(
+                [torch.cat([d["modified"] for d in self._done[la]]) for la in self.layers], dim=1
+            ),
         )
 
 
 def token_selection(
     model: Any,
-    tokens_or_text: str | Sequence[str] | Tensor,
+    tokens_or_text: TokensOrText | None,
     *,
     layers: int | Sequence[int] | None = None,
+    cache: Any = None,
     extra_hooks: Sequence[FwdHook] = (),
+    verbose: bool = False,
     dtype: torch.dtype = torch.float32,
     **kwargs: Any,
 ) -> SelectionResult:
-    """Token-selection geometry of every head of ``layers`` (default: all) in one forward pass.
+    """Token-selection geometry of every head of ``layers``, all texts in one forward pass.
 
-    ``kwargs`` go to :class:`SelectionCollector` (``projected``, ``ns``, ``sink_positions``,
-    ``n_random``, ``seed``, ``bound``, ``query_stride``, ``batch_chunk``, ``verbose``). ``extra_hooks`` run in the same
-    pass, before mechgeom's readers on the same hook point (e.g. a pattern intervention). ``dtype``:
-    the precision of distances, scores and bounds, ``float32`` by default; ``torch.float64`` gives
-    (near-)exact ``F_N`` where distances tie (see :func:`layer_selection`).
+    Args:
+        model: a causal decoder.
+        tokens_or_text: text, texts or token ids (the cached texts with ``cache``, optional there).
+        layers: an int or a sequence of ints; ``None`` is every layer.
+        cache: an ``ActivationCache`` with ``hook_pattern``, ``hook_v``, ``hook_z`` of ``layers``; nothing runs.
+        extra_hooks: interventions run in the same pass, before mechgeom's readers on the same hook point.
+        verbose: progress over ``N`` inside each layer.
+        dtype: the precision of distances, scores and bounds, ``float32`` by default; ``torch.float64`` gives
+            (near-)exact ``F_N`` where distances tie (see :func:`layer_selection`).
+        **kwargs: the options of :class:`SelectionCollector` (``projected``, ``ns``, ``sink_positions``,
+            ``n_random``, ``seed``, ``bound``, ``query_stride``, ``batch_chunk``).
+
+    Returns:
+        A :class:`SelectionResult`. The sink-aware bound's parameters are fitted over all the texts, which is
+        why they run in one pass.
     """
     check_dtype(dtype)
-    col = SelectionCollector(model, layers, dtype=dtype, **kwargs)
+    col = SelectionCollector(model, layers, dtype=dtype, verbose=verbose, **kwargs)
     sinks = col.kwargs["sink_positions"]
-    tokens = to_tokens(
+    what = "token selection (a query after the sinks)"
+    min_pos = max(sinks, default=0) + 2
+    n_texts = 1
+    if cache is None and tokens_or_text is not None:
+        tokens = to_tokens(model, tokens_or_text, min_pos=min_pos, what=what)
+        check_sink_positions(sinks, tokens.shape[1])
+        tokens_or_text, n_texts = tokens, tokens.shape[0]
+    return run_collector(  # type: ignore[no-any-return]
         model,
         tokens_or_text,
-        min_pos=max(sinks, default=0) + 2,
-        what="token selection (a query after the sinks)",
+        col,
+        cache=cache,
+        extra_hooks=extra_hooks,
+        batch_size=n_texts,
+        min_pos=min_pos,
+        what=what,
     )
-    check_sink_positions(col.kwargs["sink_positions"], tokens.shape[1])
-    run_hooks(model, tokens, [*extra_hooks, *col.fwd_hooks], stop_at_layer=max(col.layers) + 1)
-    return col.result(tokens)
 
 
 def token_selection_from_cache(
@@ -569,11 +596,6 @@ def token_selection_from_cache(
     dtype: torch.dtype = torch.float32,
     **kwargs: Any,
 ) -> SelectionResult:
-    """The same result from an ``ActivationCache`` holding ``hook_pattern``, ``hook_v``, ``hook_z``.
-
-    ``dtype`` as in :func:`token_selection` (``float32`` by default, ``torch.float64`` near ties).
-    """
-    check_dtype(dtype)
-    col = SelectionCollector(model, layers, dtype=dtype, **kwargs)
-    col.feed_cache(cache)
-    return col.result(None if tokens is None else to_tokens(model, tokens))
+    """Deprecated: ``token_selection(model, tokens, cache=cache, ...)`` gives the same result."""
+    warn_deprecated("token_selection_from_cache(model, cache)", "token_selection(model, tokens, cache=cache)")
+    return token_selection(model, tokens, layers=layers, cache=cache, dtype=dtype, **kwargs)

@@ -21,7 +21,8 @@ import einops
 import pandas as pd
 import torch
 
-from mechgeom.analyses.contribution.weights import LayerGeometry
+from mechgeom.analyses.base import Result
+from mechgeom.analyses.contribution import LayerGeometry
 from mechgeom.analyses.scoring import bootstrap_ci, text_nll
 from mechgeom.hooks import (
     FwdHook,
@@ -102,7 +103,7 @@ _CONDITIONS = ("clean", "sink", "control")
 
 
 @dataclass
-class SinkAblationResult:
+class SinkAblationResult(Result):
     """Sink-value ablation vs clean vs a random-position control, on ``n`` texts.
 
     ``nll[cond]`` is the per-text mean next-token NLL ``[n]``; ``out_norm[cond]`` and ``cone_cos[cond]``

@@ -25,7 +25,8 @@ import pandas as pd
 import torch
 
 from mechgeom._progress import progress
-from mechgeom.analyses.contribution.weights import LayerGeometry
+from mechgeom.analyses.base import Collector, Result, collect
+from mechgeom.analyses.contribution import LayerGeometry
 from mechgeom.hooks import (
     LayerActivations,
     LayerCollector,
@@ -306,7 +307,7 @@ class ConvexityTerms:
 
 
 @dataclass
-class ConvexityCurves(ConvexityTerms):
+class ConvexityCurves(ConvexityTerms, Result):
     """The convexity terms of :class:`ConvexityTerms` for ``layers`` over ``n`` texts, without the rest of
     the sink statistics (what :func:`convexity_check` computes when it is not given them)."""
 
@@ -319,31 +320,54 @@ class ConvexityCurves(ConvexityTerms):
     modified: Bool[Tensor, "n layer head q"] | None = None
     tokens: Tokens | None = None
 
+    def to_frame(self) -> pd.DataFrame:
+        """One row per (text, layer, head, query in ``Q``): :meth:`ConvexityTerms.query_frame`."""
+        return self.query_frame()
+
+    def summary(self) -> dict[str, Any]:
+        """``n_texts``, the ``layers``, and ``interior_share``: the share of (text, head, query) with ``s*`` in
+        ``(0, 1)``, pooled over every analysed head."""
+        return {
+            "n_texts": int(self.sink_mass.shape[0]),
+            "layers": list(self.layers),
+            "interior_share": float(self.interior_share(pooled=True)),
+        }
+
+
+class _ConvexityCollector(Collector):
+    """The tensors of :class:`ConvexityCurves` by reader hooks, batch after batch (as
+    :class:`~mechgeom.analyses.sinks.geometry.SinkCollector` computes them beside the other sink statistics)."""
+
+    def __init__(self, model: Any, layers: list[int], sinks: list[int]) -> None:
+        super().__init__(model, layers)
+        self.sinks = sinks
+        self._per_text: dict[int, list[dict[str, Tensor]]] = {layer: [] for layer in self.layers}
+        self._grams: dict[int, Tensor] = {}
+
+    def on_layer(self, acts: LayerActivations) -> None:
+        with torch.no_grad():
+            geo = LayerGeometry.from_activations(acts)
+            if acts.layer not in self._grams:
+                self._grams[acts.layer] = wo_gram(geo.W_O, dtype=torch.float64)
+            terms = query_terms(geo, self.sinks, gram=self._grams[acts.layer])
+            self._per_text[acts.layer].append({k: v.detach().cpu() for k, v in terms.items()})
+
+    def build(self, tokens: Tokens | None) -> ConvexityCurves:
+        per_text = self._per_text
+        stacked = {
+            k: torch.stack([torch.cat([t[k] for t in per_text[layer]]) for layer in self.layers], dim=1)
+            for k in per_text[self.layers[0]][0]
+        }
+        return ConvexityCurves(
+            layers=list(self.layers), sink_positions=list(self.sinks), tokens=tokens, **stacked
+        )
+
 
 def _curves(
     model: Any, tokens: Tokens, layers: list[int], sinks: list[int], batch_size: int = 8
 ) -> ConvexityCurves:
-    """:class:`ConvexityCurves` of ``layers`` by reader hooks, in batches of ``batch_size`` texts (as
-    :func:`mechgeom.analyses.sinks.sink_statistics` computes the same tensors)."""
-    per_text: dict[int, list[dict[str, Tensor]]] = {layer: [] for layer in layers}
-    grams: dict[int, Tensor] = {}
-
-    def on_layer(acts: LayerActivations) -> None:
-        with torch.no_grad():
-            geo = LayerGeometry.from_activations(acts)
-            if acts.layer not in grams:
-                grams[acts.layer] = wo_gram(geo.W_O, dtype=torch.float64)
-            terms = query_terms(geo, sinks, gram=grams[acts.layer])
-            per_text[acts.layer].append({k: v.detach().cpu() for k, v in terms.items()})
-
-    col = LayerCollector(model, layers, on_layer)
-    for start in range(0, tokens.shape[0], batch_size):
-        run_hooks(model, tokens[start : start + batch_size], col.fwd_hooks, stop_at_layer=max(layers) + 1)
-    stacked = {
-        k: torch.stack([torch.cat([t[k] for t in per_text[layer]]) for layer in layers], dim=1)
-        for k in per_text[layers[0]][0]
-    }
-    return ConvexityCurves(layers=list(layers), sink_positions=list(sinks), tokens=tokens.cpu(), **stacked)
+    """:class:`ConvexityCurves` of ``layers``, in batches of ``batch_size`` texts."""
+    return collect(model, tokens, _ConvexityCollector(model, layers, sinks), batch_size=batch_size)  # type: ignore[no-any-return]
 
 
 # =========================================================================== closed form vs intervention
@@ -353,7 +377,7 @@ _COLUMNS = ("layer", "head", "s", "text", "query", "norm_measured", "norm_closed
 
 
 @dataclass
-class ConvexityCheck:
+class ConvexityCheck(Result):
     """The convexity curve of a few heads, measured by intervention beside the closed form.
 
     ``norms[(layer, head)]`` is the measured ``‖o(s)‖`` of that head, ``[grid, n, q]`` (NaN outside ``Q``);

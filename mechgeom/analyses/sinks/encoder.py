@@ -23,8 +23,9 @@ from typing import Any
 
 import torch
 
+from mechgeom.analyses.base import collect
 from mechgeom.analyses.sinks.geometry import SinkCollector, SinkResult
-from mechgeom.hooks import FwdHook, TokensOrText, collect, padding_mask, sink_positions_per_text, to_tokens
+from mechgeom.hooks import FwdHook, TokensOrText, padding_mask, sink_positions_per_text, to_tokens
 from mechgeom.typing import Tensor
 
 __all__ = [

@@ -16,12 +16,11 @@ import numpy as np
 import pandas as pd
 import torch
 
-from mechgeom.analyses.contribution.weights import LayerGeometry
+from mechgeom.analyses.base import Collector, Result
+from mechgeom.analyses.contribution import LayerGeometry
 from mechgeom.analyses.sinks.convexity import ConvexityTerms, query_terms, sink_mean_cos
 from mechgeom.hooks import (
-    FwdHook,
     LayerActivations,
-    LayerCollector,
     masked_mean,
     modified_pairs,
     n_kv_heads,
@@ -173,7 +172,7 @@ def factor_shares_from_moments(
 
 
 @dataclass
-class SinkResult(ConvexityTerms):
+class SinkResult(ConvexityTerms, Result):
     """Sink statistics of ``layers`` over ``n`` texts (axis 0), per head.
 
     Per text: ``sink_rate [n, layer, head]`` (mass on the sink set), ``sink_rate_pos [n, layer, head,
@@ -350,7 +349,7 @@ class SinkResult(ConvexityTerms):
         return df
 
 
-class SinkCollector:
+class SinkCollector(Collector):
     """Reader hooks (via :class:`LayerCollector`) that compute the sink statistics layer by layer.
 
     Pass ``collector.fwd_hooks`` to ``run_with_hooks`` / ``model.hooks(...)`` for one or more forward
@@ -366,22 +365,13 @@ class SinkCollector:
         *,
         sink_positions: int | Sequence[int] | None = None,
     ) -> None:
-        self.model = model
+        super().__init__(model, layers)
         self.sinks = resolve_sinks(sink_positions)
-        self.collector = LayerCollector(model, layers, self._on_layer)
-        self.layers = self.collector.layers
         self._per_text: dict[int, list[dict[str, Tensor]]] = {la: [] for la in self.layers}
         self._moments: dict[int, Tensor] = {}
         self._grams: dict[int, Tensor] = {}  # float64 W_O Gram matrices, once per layer
 
-    @property
-    def fwd_hooks(self) -> list[FwdHook]:
-        return self.collector.fwd_hooks
-
-    def feed_cache(self, cache: Any) -> None:
-        self.collector.feed_cache(cache)
-
-    def _on_layer(self, acts: LayerActivations) -> None:
+    def on_layer(self, acts: LayerActivations) -> None:
         if acts.key_mask is not None:
             raise ValueError("an encoder's padded batch: use sink_statistics, which groups texts by length")
         with torch.no_grad():
@@ -412,14 +402,9 @@ class SinkCollector:
         }
         return {k: v.detach().cpu() for k, v in out.items()}
 
-    def result(self, tokens: Tokens | None = None) -> SinkResult:
+    def build(self, tokens: Tokens | None) -> SinkResult:
         """The statistics of every text seen so far; ``tokens`` (those texts, in order) are kept with
         their string tokens from the model's tokenizer."""
-        missing = [la for la in self.layers if not self._per_text[la]]
-        if missing:
-            raise RuntimeError(
-                f"no activations were collected for layer(s) {missing}; run collector.fwd_hooks first"
-            )
         lengths = {t["sink_mass"].shape[-1] for la in self.layers for t in self._per_text[la]}
         if len(lengths) > 1:
             raise ValueError(
@@ -430,21 +415,21 @@ class SinkCollector:
             k: torch.stack([torch.cat([t[k] for t in self._per_text[la]]) for la in self.layers], dim=1)
             for k in keys
         }
-        cfg = self.model.cfg
         n_kv = n_kv_heads(self.model)
-        if tokens is not None:
-            tokens = tokens.detach().cpu()
-            if tokens.shape != (stacked["sink_mass"].shape[0], stacked["sink_mass"].shape[-1]):
-                raise ValueError(
-                    f"tokens of shape {tuple(tokens.shape)} are not the texts collected "
-                    f"({stacked['sink_mass'].shape[0]} x {stacked['sink_mass'].shape[-1]})"
-                )
+        if tokens is not None and tokens.shape != (
+            stacked["sink_mass"].shape[0],
+            stacked["sink_mass"].shape[-1],
+        ):
+            raise ValueError(
+                f"tokens of shape {tuple(tokens.shape)} are not the texts collected "
+                f"({stacked['sink_mass'].shape[0]} x {stacked['sink_mass'].shape[-1]})"
+            )
         return SinkResult(
             layers=list(self.layers),
             sink_positions=list(self.sinks),
             n_kv_heads=n_kv,
             factor_sums=torch.stack([self._moments[la] for la in self.layers]),
-            model_name=str(getattr(cfg, "model_name", "")),
+            model_name=self.model_name,
             tokens=tokens,
             str_tokens=token_strings(self.model, tokens),
             **stacked,

@@ -47,9 +47,11 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from mechgeom._deprecation import warn_deprecated
+from mechgeom.analyses.base import run_collector
 from mechgeom.analyses.sinks.encoder import encoder_sink_statistics
 from mechgeom.analyses.sinks.geometry import SinkCollector, SinkResult
-from mechgeom.hooks import FwdHook, TokensOrText, collect, is_bidirectional, to_tokens
+from mechgeom.hooks import FwdHook, TokensOrText, is_bidirectional
 
 __all__ = [
     "sink_statistics",
@@ -61,28 +63,45 @@ __all__ = [
 
 def sink_statistics(
     model: Any,
-    tokens_or_text: TokensOrText,
+    tokens_or_text: TokensOrText | None,
     *,
     layers: int | Sequence[int] | None = None,
-    sink_positions: int | str | Sequence[int | str] | None = None,
-    batch_size: int = 8,
+    cache: Any = None,
     extra_hooks: Sequence[FwdHook] = (),
     verbose: bool = False,
+    sink_positions: int | str | Sequence[int | str] | None = None,
+    batch_size: int = 8,
 ) -> SinkResult:
-    """Sink rate, norm ratios, anti-alignment, convexity terms and factor moments of every head of
-    ``layers`` (default: all), in batches of ``batch_size`` texts. ``extra_hooks`` run first in each pass
-    (e.g. an intervention). The pass stops after the last analysed layer (no unembedding).
+    """Sink rate, norm ratios, anti-alignment, convexity terms and factor moments of every head of ``layers``.
 
-    On an encoder, ``sink_positions`` may name special tokens (``["[CLS]", "[SEP]"]``), resolved in each
-    text, and every query sees every sink: see :func:`mechgeom.analyses.sinks.encoder.encoder_sink_statistics`.
+    Args:
+        model: a decoder, or an encoder (then ``sink_positions`` may name special tokens, ``["[CLS]", "[SEP]"]``,
+            resolved in each text, and every query sees every sink: see
+            :func:`~mechgeom.analyses.sinks.encoder.encoder_sink_statistics`).
+        tokens_or_text: text, texts or token ids (the cached texts with ``cache``, optional there).
+        layers: an int or a sequence of ints; ``None`` is every layer.
+        cache: an ``ActivationCache`` with ``hook_pattern``, ``hook_v``, ``hook_z`` of ``layers``; nothing runs.
+        extra_hooks: interventions run first in each pass.
+        verbose: a progress bar over batches.
+        sink_positions: the sink set (default the first position).
+        batch_size: texts per forward pass; the pass stops after the last analysed layer (no unembedding).
+
+    Returns:
+        A :class:`~mechgeom.analyses.sinks.geometry.SinkResult`.
     """
-    if is_bidirectional(model):
+    if cache is None and tokens_or_text is not None and is_bidirectional(model):
         run = partial(encoder_sink_statistics, layers=layers, sink_positions=sink_positions, verbose=verbose)
         return run(model, tokens_or_text, batch_size=batch_size, extra_hooks=extra_hooks)
-    tokens = to_tokens(model, tokens_or_text)
     col = SinkCollector(model, layers, sink_positions=sink_positions)  # type: ignore[arg-type]  # names: above
-    return collect(
-        model, tokens, col, batch_size=batch_size, extra_hooks=extra_hooks, desc="sinks", verbose=verbose
+    return run_collector(  # type: ignore[no-any-return]
+        model,
+        tokens_or_text,
+        col,
+        cache=cache,
+        extra_hooks=extra_hooks,
+        batch_size=batch_size,
+        verbose=verbose,
+        desc="sinks",
     )
 
 
@@ -94,11 +113,9 @@ def sink_statistics_from_cache(
     tokens: TokensOrText | None = None,
     sink_positions: int | Sequence[int] | None = None,
 ) -> SinkResult:
-    """The same result from an ``ActivationCache`` holding ``hook_pattern``, ``hook_v`` and ``hook_z`` of
-    ``layers`` (the texts of ``tokens``, kept in the result when given)."""
-    col = SinkCollector(model, layers, sink_positions=sink_positions)
-    col.feed_cache(cache)
-    return col.result(None if tokens is None else to_tokens(model, tokens, encoders=True))
+    """Deprecated: ``sink_statistics(model, tokens, cache=cache, ...)`` gives the same result."""
+    warn_deprecated("sink_statistics_from_cache(model, cache)", "sink_statistics(model, tokens, cache=cache)")
+    return sink_statistics(model, tokens, layers=layers, cache=cache, sink_positions=sink_positions)
 
 
 # =========================================================================== summaries and head choices
