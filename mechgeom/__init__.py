@@ -108,14 +108,10 @@ def __dir__() -> list[str]:
     return sorted({*globals(), *_EXPORTS, *_SUBPACKAGES})
 
 
-if TYPE_CHECKING:  # the same names, for type checkers and editors
+if TYPE_CHECKING:  # the same names, for type checkers and editors (``X as X``: an explicit re-export)
     from mechgeom.analyses.base import (
         Collector as Collector,
-    )
-    from mechgeom.analyses.base import (
         Result as Result,
-    )
-    from mechgeom.analyses.base import (
         collect as collect,
     )
     from mechgeom.analyses.contribution.overview import (
@@ -123,20 +119,12 @@ if TYPE_CHECKING:  # the same names, for type checkers and editors
     )
     from mechgeom.analyses.contribution.weights import (
         ContributionCollector as ContributionCollector,
-    )
-    from mechgeom.analyses.contribution.weights import (
         ContributionResult as ContributionResult,
-    )
-    from mechgeom.analyses.contribution.weights import (
         contribution_weights as contribution_weights,
-    )
-    from mechgeom.analyses.contribution.weights import (
         contribution_weights_from_cache as contribution_weights_from_cache,
     )
     from mechgeom.analyses.faithfulness.curves import (
         perplexity_curves as perplexity_curves,
-    )
-    from mechgeom.analyses.faithfulness.curves import (
         task_accuracy_curves as task_accuracy_curves,
     )
     from mechgeom.analyses.faithfulness.embedding import (
@@ -144,8 +132,6 @@ if TYPE_CHECKING:  # the same names, for type checkers and editors
     )
     from mechgeom.analyses.faithfulness.rankings import (
         faithfulness_summary as faithfulness_summary,
-    )
-    from mechgeom.analyses.faithfulness.rankings import (
         source_rankings as source_rankings,
     )
     from mechgeom.analyses.heads.orders import (
@@ -153,53 +139,29 @@ if TYPE_CHECKING:  # the same names, for type checkers and editors
     )
     from mechgeom.analyses.heads.pruning import (
         retention_curves as retention_curves,
-    )
-    from mechgeom.analyses.heads.pruning import (
         single_head_sweep as single_head_sweep,
     )
     from mechgeom.analyses.heads.stats import (
         HeadStatsCollector as HeadStatsCollector,
-    )
-    from mechgeom.analyses.heads.stats import (
         head_stats as head_stats,
-    )
-    from mechgeom.analyses.heads.stats import (
         head_stats_from_cache as head_stats_from_cache,
     )
     from mechgeom.analyses.heads.taxonomy import (
         TaxonomyCollector as TaxonomyCollector,
-    )
-    from mechgeom.analyses.heads.taxonomy import (
         classify_heads as classify_heads,
-    )
-    from mechgeom.analyses.heads.taxonomy import (
         classify_heads_from_cache as classify_heads_from_cache,
     )
     from mechgeom.analyses.scoring import (
         encode_choices as encode_choices,
-    )
-    from mechgeom.analyses.scoring import (
         perplexity as perplexity,
-    )
-    from mechgeom.analyses.scoring import (
         score_choices as score_choices,
-    )
-    from mechgeom.analyses.scoring import (
         task_accuracy as task_accuracy,
-    )
-    from mechgeom.analyses.scoring import (
         text_nll as text_nll,
-    )
-    from mechgeom.analyses.scoring import (
         token_nll as token_nll,
     )
     from mechgeom.analyses.selection.collector import (
         SelectionCollector as SelectionCollector,
-    )
-    from mechgeom.analyses.selection.collector import (
         token_selection as token_selection,
-    )
-    from mechgeom.analyses.selection.collector import (
         token_selection_from_cache as token_selection_from_cache,
     )
     from mechgeom.analyses.sinks.ablation import (
@@ -207,8 +169,6 @@ if TYPE_CHECKING:  # the same names, for type checkers and editors
     )
     from mechgeom.analyses.sinks.convexity import (
         convexity_by_intervention as convexity_by_intervention,
-    )
-    from mechgeom.analyses.sinks.convexity import (
         convexity_check as convexity_check,
     )
     from mechgeom.analyses.sinks.encoder import (
@@ -219,8 +179,6 @@ if TYPE_CHECKING:  # the same names, for type checkers and editors
     )
     from mechgeom.analyses.sinks.statistics import (
         sink_statistics as sink_statistics,
-    )
-    from mechgeom.analyses.sinks.statistics import (
         sink_statistics_from_cache as sink_statistics_from_cache,
     )
     from mechgeom.encoder_models import (
@@ -228,43 +186,19 @@ if TYPE_CHECKING:  # the same names, for type checkers and editors
     )
     from mechgeom.hooks import (
         LayerCollector as LayerCollector,
-    )
-    from mechgeom.hooks import (
         ablate_value_hook as ablate_value_hook,
-    )
-    from mechgeom.hooks import (
         head_ablation_hooks as head_ablation_hooks,
-    )
-    from mechgeom.hooks import (
         mask_sources_hook as mask_sources_hook,
-    )
-    from mechgeom.hooks import (
         masking_hooks as masking_hooks,
-    )
-    from mechgeom.hooks import (
         modified_mask as modified_mask,
-    )
-    from mechgeom.hooks import (
         ranked_mask_hook as ranked_mask_hook,
-    )
-    from mechgeom.hooks import (
         replace_z_hook as replace_z_hook,
-    )
-    from mechgeom.hooks import (
         set_sink_mass_hook as set_sink_mass_hook,
-    )
-    from mechgeom.hooks import (
         sink_mass_hooks as sink_mass_hooks,
-    )
-    from mechgeom.hooks import (
         sink_value_hooks as sink_value_hooks,
-    )
-    from mechgeom.hooks import (
         to_tokens as to_tokens,
     )
     from mechgeom.models import (
         list_models as list_models,
-    )
-    from mechgeom.models import (
         load_model as load_model,
     )
