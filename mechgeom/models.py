@@ -40,13 +40,13 @@ from mechgeom._model_cache import (
     HookedTransformer,
     HookedTransformerConfig,
     cache_dir,
+    cfg_from_json as _cfg_from_json,
+    cfg_to_json as _cfg_to_json,
     is_encoder,
+    quiet as _quiet,
+    read_cache as _read_cache,
+    sha256_file as _sha256,
 )
-from mechgeom._model_cache import cfg_from_json as _cfg_from_json
-from mechgeom._model_cache import cfg_to_json as _cfg_to_json
-from mechgeom._model_cache import quiet as _quiet
-from mechgeom._model_cache import read_cache as _read_cache
-from mechgeom._model_cache import sha256_file as _sha256
 
 logger = logging.getLogger(__name__)
 

@@ -86,7 +86,9 @@ def test_cache_gives_the_result_of_a_live_pass(name: str) -> None:
     _frames_equal(live.to_frame(), cached.to_frame())
     assert cached.summary().keys() == live.summary().keys()
     without = fn(model, None, cache=cache)  # no tokens: a result all the same
-    _frames_equal(live.to_frame().drop(columns=["query_token", "key_token"], errors="ignore"), without.to_frame())
+    _frames_equal(
+        live.to_frame().drop(columns=["query_token", "key_token"], errors="ignore"), without.to_frame()
+    )
     with pytest.raises(ValueError, match="extra_hooks act during a forward pass"):
         fn(model, tokens, cache=cache, extra_hooks=[("blocks.0.attn.hook_z", lambda z, hook: z)])
     assert not has_hooks(model)

@@ -10,8 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from conftest import make_tiny, needs_hooked, random_tokens
-from hypothesis import HealthCheck, assume, given, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, assume, given, settings, strategies as st
 from reference_contribution import acts_of, assert_all_metrics_match, brute_force
 from transformer_lens.patching import layer_head_pattern_patch_setter, layer_head_vector_patch_setter
 
@@ -670,8 +669,10 @@ def test_verbose_shows_a_bar_over_layers_and_changes_nothing(capsys, monkeypatch
 def test_geometry_lives_in_its_module_and_uses_the_shared_gram() -> None:
     from mechgeom import maths
     from mechgeom.analyses import contribution
-    from mechgeom.analyses.contribution import geometry as contribution_geometry
-    from mechgeom.analyses.contribution import overview as contribution_overview
+    from mechgeom.analyses.contribution import (
+        geometry as contribution_geometry,
+        overview as contribution_overview,
+    )
 
     assert contribution.LayerGeometry is contribution_geometry.LayerGeometry
     assert contribution.INTRA_METRICS is contribution_geometry.INTRA_METRICS

@@ -16,13 +16,10 @@ import pandas as pd
 import pytest
 import torch
 from conftest import make_tiny, random_tokens
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
-from mechgeom import hooks as mg_hooks
-from mechgeom import viz
-from mechgeom.analyses import faithfulness
-from mechgeom.analyses import scoring as evaluation
+from mechgeom import hooks as mg_hooks, viz
+from mechgeom.analyses import faithfulness, scoring as evaluation
 from mechgeom.analyses.contribution.weights import contribution_weights
 from mechgeom.analyses.faithfulness import curves as fa
 from mechgeom.analyses.scoring import perplexity, text_nll

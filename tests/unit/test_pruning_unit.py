@@ -13,8 +13,7 @@ import pandas as pd
 import pytest
 import torch
 from conftest import make_tiny, needs_hooked, random_tokens
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
 import mechgeom.analyses.heads.pruning as pruning
 from mechgeom.analyses import heads

@@ -9,8 +9,7 @@ from fractions import Fraction
 import pytest
 import torch
 from conftest import make_tiny, random_tokens
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
 from mechgeom.analyses.selection import BoundParams, bound_radii, precision_recall_curve
 from mechgeom.analyses.selection.collector import (
@@ -744,8 +743,7 @@ def test_split_modules_reexport_and_collector_signature() -> None:
     """The package exports every public name of its modules, as the same objects; ``result(tokens=None)``."""
     import mechgeom
     from mechgeom.analyses import selection
-    from mechgeom.analyses.selection import bounds as selection_bounds
-    from mechgeom.analyses.selection import geometry as selection_geometry
+    from mechgeom.analyses.selection import bounds as selection_bounds, geometry as selection_geometry
 
     for mod in (selection_geometry, selection_bounds):
         for name in mod.__all__:
@@ -897,8 +895,7 @@ def test_selection_figures_draw_the_frames_numbers() -> None:
     import numpy as np
     from matplotlib.figure import Figure
 
-    from mechgeom.viz.selection_figures import __all__ as fig_all
-    from mechgeom.viz.selection_figures import plot_selection_scores, plot_selection_vs_n
+    from mechgeom.viz.selection_figures import __all__ as fig_all, plot_selection_scores, plot_selection_vs_n
 
     assert set(fig_all) == {"plot_selection_scores", "plot_selection_vs_n"}
     df, params, by_n = _selection_frames()

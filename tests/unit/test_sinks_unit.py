@@ -11,8 +11,7 @@ import pandas as pd
 import pytest
 import torch
 from conftest import make_tiny, random_tokens
-from hypothesis import example, given, settings
-from hypothesis import strategies as st
+from hypothesis import example, given, settings, strategies as st
 
 from mechgeom.analyses.contribution.weights import LayerGeometry
 from mechgeom.analyses.scoring import text_nll
