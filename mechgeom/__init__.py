@@ -28,7 +28,6 @@ from mechgeom.analyses.selection.collector import (
 from mechgeom.analyses.sinks import convexity_by_intervention, convexity_check, sink_ablation
 from mechgeom.analyses.sinks.encoder import encoder_sink_statistics
 from mechgeom.analyses.sinks.statistics import SinkCollector, sink_statistics, sink_statistics_from_cache
-from mechgeom.encoder_models import sentence_embedding
 from mechgeom.hooks import (
     LayerCollector,
     ablate_value_hook,
@@ -45,6 +44,7 @@ from mechgeom.hooks import (
     to_tokens,
 )
 from mechgeom.models import list_models, load_model
+from mechgeom.models.encoders import sentence_embedding
 
 __version__ = "0.1.0"
 

@@ -151,7 +151,7 @@ def _require_wheel(module: str, install: str) -> None:
 
 def require_minilm() -> None:
     """Skip (or fail in CI) without the MiniLM wheel."""
-    from mechgeom import encoder_models as em
+    from mechgeom.models import encoders as em
 
     _require_wheel(em.MINILM_MODULE, em.MINILM_INSTALL)
 

@@ -465,7 +465,7 @@ def test_a_bridge_that_discards_pattern_edits_is_masked_at_hook_z_or_refused(mon
 
 
 def test_default_embedding_is_the_sentence_embedding() -> None:
-    from mechgeom.encoder_models import sentence_embedding
+    from mechgeom.models.encoders import sentence_embedding
 
     model = _encoder(98)
     tokens, mask = _padded(99)

@@ -26,7 +26,6 @@ BELOW_HOOKS = {
     "_progress",
     "_batch_queue",
     "_kernels",
-    "_model_cache",
     "sweep",
     "models",
     "encoder_models",

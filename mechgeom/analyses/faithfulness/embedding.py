@@ -3,7 +3,7 @@
 A decoder's faithfulness is ΔPPL of next-token prediction (:mod:`mechgeom.analyses.faithfulness.curves`); an
 encoder (BERT-style, bidirectional attention, e.g. ``"minilm-l6"``) predicts no next token. Its outcome is
 the **sentence embedding** ``e``: the final hidden states mean-pooled over the real (non-padding) tokens
-(sentence-transformers' pooling, :func:`mechgeom.encoder_models.sentence_embedding`). Definition:
+(sentence-transformers' pooling, :func:`mechgeom.models.encoders.sentence_embedding`). Definition:
 
 - **Effect.** "``effect = 1 − cos(e_masked, e_clean)`` per text (0 = no change)", in ``[0, 2]`` (clamped
   there against rounding; NaN where an embedding is the zero vector). A curve is the mean effect over
@@ -91,7 +91,7 @@ __all__ = [
 EMBEDDING_RATES = (0.0, 0.1, 0.25, 0.5, 0.75, 0.9)
 
 #: ``embedding_fn(model, tokens, attention_mask, *, fwd_hooks=()) -> [batch, d_model]``, as
-#: :func:`mechgeom.encoder_models.sentence_embedding`.
+#: :func:`mechgeom.models.encoders.sentence_embedding`.
 EmbeddingFn = Callable[..., Float[Tensor, "batch d_model"]]
 
 
@@ -446,7 +446,7 @@ def embedding_curves(
     ids, or none) marks padding. One clean pass per batch of ``batch_size`` texts (the clean embedding and
     every ranking, streamed layer by layer), then one masked pass per (metric, mode, rate > 0); metrics
     whose rankings coincide on a batch share their passes. ``embedding_fn(model, tokens, attention_mask,
-    *, fwd_hooks)`` gives the embeddings (default :func:`mechgeom.encoder_models.sentence_embedding`);
+    *, fwd_hooks)`` gives the embeddings (default :func:`mechgeom.models.encoders.sentence_embedding`);
     ``extra_hooks`` are attached first in every pass (the curves of the modified model). ``verbose`` shows
     a progress bar over the passes.
 
@@ -464,7 +464,7 @@ def embedding_curves(
     tokens = to_tokens(model, tokens_or_text, what="embedding faithfulness", encoders=True)
     mask = _check_mask(model, tokens, attention_mask)
     if embedding_fn is None:
-        from mechgeom.encoder_models import sentence_embedding
+        from mechgeom.models.encoders import sentence_embedding
 
         embedding_fn = sentence_embedding
     path = _masking_path(model, tokens[:1][:, mask[0]], chosen[0])

@@ -50,7 +50,7 @@ import torch
 import torch.nn.functional as F
 
 from mechgeom._io import atomic_write
-from mechgeom._model_cache import (
+from mechgeom.models.cache import (
     HookedTransformerConfig,
     cache_dir,
     cfg_from_json,

@@ -1,6 +1,6 @@
 """The model cache's shared pieces (private): where processed weights live, file hashes, quiet loading,
-unreadable-cache handling and config round trips; used by :mod:`mechgeom.models` and
-:mod:`mechgeom.encoder_models`."""
+unreadable-cache handling and config round trips; used by
+:mod:`mechgeom.models.decoders` and :mod:`mechgeom.models.encoders`."""
 
 from __future__ import annotations
 

