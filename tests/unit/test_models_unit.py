@@ -198,3 +198,17 @@ def test_linear_layout_stops_the_weight_copies_and_changes_no_number() -> None:
     assert torch.equal(logits, logits2) and torch.equal(loss, loss2)
     assert set(cache.keys()) == set(cache2.keys())
     assert all(torch.equal(cache[k], cache2[k]) for k in cache)
+
+
+def test_the_old_encoder_models_module_warns_and_is_the_new_one() -> None:
+    import importlib
+    import sys
+
+    from mechgeom.models import encoders
+
+    sys.modules.pop("mechgeom.encoder_models", None)
+    with pytest.warns(DeprecationWarning, match=r"mechgeom\.models\.encoders"):
+        old = importlib.import_module("mechgeom.encoder_models")
+    assert old.__all__ == encoders.__all__
+    for name in [*encoders.__all__, "MINILM_MODULE", "MINILM_WHEEL"]:
+        assert getattr(old, name) is getattr(encoders, name), name
