@@ -29,13 +29,13 @@ import os
 import shutil
 import tempfile
 from dataclasses import dataclass
-from importlib.metadata import version as _dist_version
 from pathlib import Path
 from typing import Any, Literal
 
 import torch
 
 from mechgeom._io import atomic_write
+from mechgeom.models.adapter import TL_VERSION
 from mechgeom.models.cache import HookedTransformer, HookedTransformerConfig, cache_dir
 from mechgeom.models.cache import cfg_from_json as _cfg_from_json
 from mechgeom.models.cache import cfg_to_json as _cfg_to_json
@@ -46,12 +46,10 @@ from mechgeom.models.cache import sha256_file as _sha256
 logger = logging.getLogger(__name__)
 
 __all__ = [
-    "TL_VERSION",
     "Backend",
     "ModelSpec",
     "default_backend",
     "gguf_path",
-    "is_bridge",
     "is_encoder_name",
     "linear_layout",
     "list_models",
@@ -60,9 +58,6 @@ __all__ = [
 ]
 
 Backend = Literal["auto", "hooked", "bridge"]
-
-#: The installed TransformerLens version; ``HookedTransformer`` exists on the 3.x line only.
-TL_VERSION: str = _dist_version("transformer-lens")
 
 #: Version of the cache layout; bump to invalidate every cached entry.
 _CACHE_FORMAT = 2
@@ -503,10 +498,3 @@ def is_encoder_name(name: str) -> bool:
     (True, False)
     """
     return name == _ENCODER
-
-
-def is_bridge(model: Any) -> bool:
-    """Whether ``model`` is a TransformerLens ``TransformerBridge`` (the only backend on TL 4.x)."""
-    from transformer_lens.model_bridge import TransformerBridge
-
-    return isinstance(model, TransformerBridge)

@@ -50,12 +50,12 @@ import torch
 import torch.nn.functional as F
 
 from mechgeom._io import atomic_write
+from mechgeom.models.adapter import TL_VERSION, adapter
 from mechgeom.models.cache import (
     HookedTransformerConfig,
     cache_dir,
     cfg_from_json,
     cfg_to_json,
-    is_encoder,
     quiet,
     read_cache,
     sha256_file,
@@ -357,10 +357,6 @@ def _attn_out_at_projection() -> Iterator[None]:
 
 
 def _load_bridge(dtype: torch.dtype) -> Any:
-    from importlib.metadata import version
-
-    TL_VERSION = version("transformer-lens")
-
     try:
         from transformer_lens.model_bridge import TransformerBridge
         from transformer_lens.model_bridge.supported_architectures import bert  # noqa: F401
@@ -471,7 +467,8 @@ def encoder_forward(
     ``hook_out`` is read by a hook added after the caller's, so their edits show). Gradients flow unless the
     caller runs under ``torch.no_grad()``.
     """
-    if not is_encoder(model):
+    backend = adapter(model)
+    if not backend.is_encoder:
         raise TypeError(f"{type(model).__name__} is not an encoder (attention_dir must be 'bidirectional')")
     if tokens.ndim != 2:
         raise ValueError(f"tokens must be [batch, pos], got shape {tuple(tokens.shape)}")
@@ -480,7 +477,7 @@ def encoder_forward(
     if mask is not None and mask.shape != tokens.shape:
         raise ValueError(f"attention_mask {tuple(mask.shape)} does not match tokens {tuple(tokens.shape)}")
     hooks = list(fwd_hooks)
-    if type(model).__name__ == "HookedEncoder":
+    if backend.kind == "hooked_encoder":
         with model.hooks(fwd_hooks=hooks, reset_hooks_end=True):
             return model.encoder_output(tokens, None, mask)
     out: dict[str, Tensor] = {}
