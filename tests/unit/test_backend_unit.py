@@ -2,16 +2,20 @@
 
 Each answer of the adapter is checked against what the model itself does, on tiny random models of both
 TransformerLens lines: a ``HookedTransformer`` (a decoder, and a bidirectional one) and a ``HookedEncoder`` on
-3.x, a ``TransformerBridge.boot_native`` decoder and encoder on both.
+3.x, a ``TransformerBridge.boot_native`` decoder and encoder on both. The structure test reads the source of
+every mechgeom module outside ``mechgeom/models/`` and fails on a class-name test, ``is_bridge``, an
+``isinstance`` against a TransformerLens model class or a TransformerLens version check.
 """
 
 from __future__ import annotations
 
+import ast
 import gc
 import warnings
 import weakref
 from collections.abc import Sequence
 from importlib.metadata import version
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -19,6 +23,7 @@ import pytest
 import torch
 from conftest import HAS_HOOKED, make_hooked_encoder, make_tiny, needs_hooked, random_tokens
 
+import mechgeom
 from mechgeom.models import TL_VERSION, ModelAdapter, is_bridge, is_encoder
 from mechgeom.models.adapter import adapter
 
@@ -255,3 +260,148 @@ def test_the_adapter_does_not_keep_its_model_alive() -> None:
 
 def test_tl_version_is_the_installed_one() -> None:
     assert version("transformer-lens") == TL_VERSION
+
+
+# --------------------------------------------------------------------------- the structure rule
+
+PKG = Path(mechgeom.__file__).parent
+#: TransformerLens' model classes: only the models layer may test for them.
+TL_CLASSES = {
+    "HookedTransformer",
+    "HookedEncoder",
+    "HookedEncoderDecoder",
+    "HookedRootModule",
+    "TransformerBridge",
+}
+TL_DISTRIBUTIONS = {"transformer-lens", "transformer_lens"}
+
+
+def _is_class_name(node: ast.AST) -> bool:
+    """``type(x).__name__``, ``x.__class__.__name__`` or ``type(x).__qualname__``."""
+    if not (isinstance(node, ast.Attribute) and node.attr in ("__name__", "__qualname__")):
+        return False
+    v = node.value
+    is_type_call = isinstance(v, ast.Call) and isinstance(v.func, ast.Name) and v.func.id == "type"
+    return is_type_call or (isinstance(v, ast.Attribute) and v.attr == "__class__")
+
+
+def _names(node: ast.AST) -> set[str]:
+    """The names a class argument refers to: ``C``, ``m.C`` and the elements of a tuple of them."""
+    if isinstance(node, ast.Tuple):
+        return {n for e in node.elts for n in _names(e)}
+    if isinstance(node, ast.Name):
+        return {node.id}
+    if isinstance(node, ast.Attribute):
+        return {node.attr}
+    if isinstance(node, ast.BinOp):  # C1 | C2
+        return _names(node.left) | _names(node.right)
+    return set()
+
+
+def backend_tests(source: str) -> list[str]:
+    """Every backend test in ``source``: ``is_bridge``; a comparison involving a class name or a
+    TransformerLens class name as a string; ``isinstance``/``issubclass`` against a TransformerLens model
+    class, or importing one; ``TL_VERSION``, ``transformer_lens.__version__`` or a call given the
+    distribution's name (``version("transformer-lens")``)."""
+    found: list[str] = []
+    for node in ast.walk(ast.parse(source)):
+        line = getattr(node, "lineno", 0)
+        if isinstance(node, ast.Name) and node.id in ("is_bridge", "TL_VERSION"):
+            found.append(f"line {line}: {node.id}")
+        elif isinstance(node, ast.Attribute) and node.attr in ("is_bridge", "TL_VERSION"):
+            found.append(f"line {line}: .{node.attr}")
+        elif (
+            isinstance(node, ast.Attribute)
+            and node.attr == "__version__"
+            and "transformer_lens" in ast.unparse(node)
+        ):
+            found.append(f"line {line}: transformer_lens.__version__")
+        elif isinstance(node, ast.alias) and (
+            node.name in ("is_bridge", "TL_VERSION") or node.name.split(".")[-1] in TL_CLASSES
+        ):
+            found.append(f"line {line}: imports {node.name}")
+        elif isinstance(node, ast.Compare):
+            operands = [node.left, *node.comparators]
+            strings = {o.value for o in operands if isinstance(o, ast.Constant) and isinstance(o.value, str)}
+            if any(_is_class_name(o) for o in operands) or strings & TL_CLASSES:
+                found.append(f"line {line}: a class-name comparison")
+        elif isinstance(node, ast.Call):
+            func = node.func.id if isinstance(node.func, ast.Name) else getattr(node.func, "attr", "")
+            if (
+                func in ("isinstance", "issubclass")
+                and len(node.args) == 2
+                and _names(node.args[1]) & TL_CLASSES
+            ):
+                found.append(f"line {line}: {func}(..., {sorted(_names(node.args[1]) & TL_CLASSES)})")
+            args = [*node.args, *(k.value for k in node.keywords)]
+            if any(isinstance(x, ast.Constant) and x.value in TL_DISTRIBUTIONS for x in args):
+                found.append(f"line {line}: {func}() of the TransformerLens distribution")
+            if func in ("getattr", "hasattr") and any(
+                isinstance(x, ast.Constant) and x.value in TL_CLASSES for x in node.args
+            ):
+                found.append(f"line {line}: {func}() of a TransformerLens model class")
+            if any(_is_class_name(x) for x in node.args) and func in (
+                "startswith",
+                "endswith",
+                "count",
+                "find",
+            ):
+                found.append(f"line {line}: a class-name test")
+            if isinstance(node.func, ast.Attribute) and _is_class_name(node.func.value):
+                found.append(f"line {line}: a class-name test ({func})")
+    return found
+
+
+def test_no_module_above_the_models_layer_tests_the_backend() -> None:
+    """Backend knowledge lives in ``mechgeom/models/``: everything else asks ``adapter(model)``."""
+    models = PKG / "models"
+    found = {
+        str(p.relative_to(PKG)): hits
+        for p in sorted(PKG.rglob("*.py"))
+        if models not in p.parents and (hits := backend_tests(p.read_text(encoding="utf-8")))
+    }
+    assert not found, found
+    assert backend_tests((models / "adapter.py").read_text(encoding="utf-8"))  # the check reads real code
+
+
+@pytest.mark.parametrize(
+    "source",
+    [
+        'if type(model).__name__ == "HookedEncoder":\n    pass\n',
+        'encoder = "Encoder" in type(model).__name__\n',
+        "same = model.__class__.__name__ != name\n",
+        'ok = type(model).__name__.startswith("Hooked")\n',
+        'ok = kind == "TransformerBridge"\n',
+        "from mechgeom.models import is_bridge\n",
+        "if adapter(model).is_bridge:\n    pass\n",
+        "from transformer_lens import HookedTransformer\n",
+        "from transformer_lens.model_bridge import TransformerBridge as TB\n",
+        "ok = isinstance(model, tl.HookedTransformer)\n",
+        "ok = isinstance(model, (HookedEncoder, TransformerBridge))\n",
+        "ok = issubclass(cls, HookedTransformer | HookedEncoder)\n",
+        "from mechgeom.models import TL_VERSION\n",
+        "four = mechgeom.models.TL_VERSION >= '4'\n",
+        'v = version("transformer-lens")\n',
+        'v = importlib.metadata.version(distribution_name="transformer_lens")\n',
+        "v = transformer_lens.__version__\n",
+        'three = hasattr(transformer_lens, "HookedEncoder")\n',
+    ],
+)
+def test_the_backend_check_catches_each_form(source: str) -> None:
+    assert backend_tests(source), source
+
+
+@pytest.mark.parametrize(
+    "source",
+    [
+        'raise TypeError(f"{type(model).__name__} is not an encoder")\n',
+        'x = "a bidirectional HookedTransformer ignores attention masks"\n',
+        "if adapter(model).is_encoder and adapter(model).supports_start_at_layer:\n    pass\n",
+        "ok = isinstance(x, torch.Tensor)\n",
+        "from transformer_lens.hook_points import HookPoint\n",
+        'def f():\n    """>>> from transformer_lens.model_bridge import TransformerBridge"""\n',
+        "v = mechgeom.__version__\n",
+    ],
+)
+def test_the_backend_check_lets_adapter_calls_and_messages_through(source: str) -> None:
+    assert not backend_tests(source), backend_tests(source)
