@@ -85,7 +85,7 @@ _EXPORTS: dict[str, str] = {
     # models
     "list_models": "mechgeom.models",
     "load_model": "mechgeom.models",
-    "sentence_embedding": "mechgeom.encoder_models",
+    "sentence_embedding": "mechgeom.models.encoders",
 }
 _SUBPACKAGES = ("analyses", "data", "hooks", "maths", "models", "report", "sweep", "typing", "viz")
 
@@ -181,9 +181,6 @@ if TYPE_CHECKING:  # the same names, for type checkers and editors (``X as X``: 
         sink_statistics as sink_statistics,
         sink_statistics_from_cache as sink_statistics_from_cache,
     )
-    from mechgeom.encoder_models import (
-        sentence_embedding as sentence_embedding,
-    )
     from mechgeom.hooks import (
         LayerCollector as LayerCollector,
         ablate_value_hook as ablate_value_hook,
@@ -201,4 +198,7 @@ if TYPE_CHECKING:  # the same names, for type checkers and editors (``X as X``: 
     from mechgeom.models import (
         list_models as list_models,
         load_model as load_model,
+    )
+    from mechgeom.models.encoders import (
+        sentence_embedding as sentence_embedding,
     )

@@ -111,6 +111,24 @@ def _make_tiny_bridge(cfg_kwargs: dict, *, b_O: bool, seed: int) -> object:
     return model
 
 
+def make_hooked_encoder(seed: int = 0) -> object:
+    """A tiny random ``HookedEncoder`` (TransformerLens 3.x only): 2 layers x 4 heads, ``d_model`` 16,
+    every weight ``N(0, 0.5^2)`` drawn from ``seed`` (HookedEncoder leaves its weights uninitialised)."""
+    from transformer_lens import HookedEncoder
+
+    cfg = HookedTransformerConfig(
+        n_layers=2, d_model=16, n_ctx=16, d_head=4, n_heads=4, d_mlp=32, act_fn="gelu", d_vocab=50,
+        attention_dir="bidirectional", seed=seed,
+    )  # fmt: skip
+    model = HookedEncoder(cfg, move_to_device=False)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+    model.eval()
+    return model
+
+
 @pytest.fixture
 def tiny() -> Callable[..., HookedTransformer]:
     """Factory fixture: ``tiny(n_kv=2, attn_only=True, ...)``."""
@@ -151,7 +169,7 @@ def _require_wheel(module: str, install: str) -> None:
 
 def require_minilm() -> None:
     """Skip (or fail in CI) without the MiniLM wheel."""
-    from mechgeom import encoder_models as em
+    from mechgeom.models import encoders as em
 
     _require_wheel(em.MINILM_MODULE, em.MINILM_INSTALL)
 

@@ -130,7 +130,7 @@ def load(package: str, filename: str) -> ctypes.CDLL | None:
     if cc is None:
         logger.debug("no C compiler found; %s falls back to plain torch", filename)
         return None
-    from mechgeom._model_cache import cache_dir
+    from mechgeom.models.cache import cache_dir
 
     with resources.as_file(resources.files(package) / filename) as source:
         code = source.read_bytes()

@@ -23,7 +23,7 @@ import torch
 
 from mechgeom._progress import progress
 from mechgeom.hooks import FwdHook, run_hooks
-from mechgeom.models import is_bridge
+from mechgeom.models.adapter import adapter
 from mechgeom.typing import Bool, Float, Tensor, Tokens
 
 __all__ = [
@@ -67,25 +67,22 @@ def target_logprob(
     """``sum`` of ``log p(token[t+1] | tokens[:t+1])`` over the predictions ``t`` where ``targets`` is true.
 
     The same numbers as ``-(token_nll(model, tokens, fwd_hooks) * targets).sum(-1)``. When the targets
-    leave positions out (a choice after a long prompt), a ``HookedTransformer`` unembeds only the positions
-    some row needs: the blocks run as usual (``stop_at_layer=n_layers``), then ``ln_final``, ``unembed`` and
-    the logit soft cap on those positions alone. With a 262k vocabulary (Gemma 3) the full unembedding is
-    most of a forward pass. A bridge, or targets that cover every position, take the plain path.
+    leave positions out (a choice after a long prompt) and the backend can
+    (:attr:`~mechgeom.models.adapter.ModelAdapter.unembeds_positions`: a ``HookedTransformer``), only the
+    positions some row needs are unembedded: the blocks run as usual (``stop_at_layer=n_layers``), then the
+    final norm, the unembedding and the logit soft cap on those positions alone
+    (:meth:`~mechgeom.models.adapter.ModelAdapter.logits`). With a 262k vocabulary (Gemma 3) the full
+    unembedding is most of a forward pass. Other backends, or targets that cover every position, take the
+    plain path.
     """
     cols = targets.any(0).nonzero().squeeze(-1)  # [n_cols] prediction positions any row scores
-    if is_bridge(model) or cols.numel() == targets.shape[1]:
+    backend = adapter(model)
+    if not backend.unembeds_positions or cols.numel() == targets.shape[1]:
         loss = token_nll(model, tokens, fwd_hooks)  # [batch, pos-1], float32 on the CPU
         return -(loss * targets.to(loss.device)).sum(-1)
-    from transformer_lens.utilities.activation_functions import apply_softcap
-
     with torch.no_grad(), model.hooks(fwd_hooks=list(fwd_hooks), reset_hooks_end=True):
         resid = model(tokens, stop_at_layer=model.cfg.n_layers)  # [batch, pos, d_model], before ln_final
-        resid = resid[:, cols.to(resid.device)]  # [batch, n_cols, d_model]
-        if model.cfg.normalization_type is not None:
-            resid = model.ln_final(resid)
-        logits = apply_softcap(
-            model.unembed(resid), model.cfg.output_logits_soft_cap
-        )  # [batch, n_cols, d_vocab]
+        logits = backend.logits(resid[:, cols.to(resid.device)])  # [batch, n_cols, d_vocab]
     logp = logits.float().log_softmax(dim=-1)
     nxt = tokens[:, cols + 1].to(logp.device)  # [batch, n_cols] the predicted tokens
     picked = logp.gather(-1, nxt[..., None])[..., 0].cpu()  # [batch, n_cols]

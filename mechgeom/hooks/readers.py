@@ -26,6 +26,7 @@ from transformer_lens.hook_points import HookPoint
 
 from mechgeom._progress import progress
 from mechgeom.hooks.validation import is_bidirectional, padding_mask, resolve_layers
+from mechgeom.models.adapter import adapter
 from mechgeom.typing import WO, Bool, Float, HeadOut, Pattern, Tensor, Tokens, Values, Z
 
 __all__ = [
@@ -315,23 +316,15 @@ def run_hooks(
     """One forward pass with ``fwd_hooks``; the hooks are removed afterwards, also if a hook raises.
 
     On an encoder, ``attention_mask`` (default: :func:`~mechgeom.hooks.validation.padding_mask` of
-    ``tokens``) keeps padded keys out of every query's attention: ``one_zero_attention_mask`` for a
-    ``HookedEncoder`` (which has no ``stop_at_layer``, so the whole model runs), ``attention_mask`` for a
-    bridge.
+    ``tokens``) keeps padded keys out of every query's attention. The backend's adapter
+    (:meth:`~mechgeom.models.adapter.ModelAdapter.forward_kwargs`) passes it and ``stop_at_layer`` the way
+    the model takes them, and refuses a mask the model would ignore.
     """
-    kwargs: dict[str, Any] = {"return_type": return_type}
-    encoder = type(model).__name__ == "HookedEncoder"
-    if stop_at_layer is not None and not encoder:
-        kwargs["stop_at_layer"] = stop_at_layer
     if attention_mask is None and is_bidirectional(model):
         attention_mask = padding_mask(model, tokens)
-    if attention_mask is not None:
-        if type(model).__name__ == "HookedTransformer" and is_bidirectional(model):
-            raise ValueError(
-                "a bidirectional HookedTransformer ignores attention masks (TransformerLens applies them with "
-                "the causal mask only), so padding would be attended; use a HookedEncoder or a bridge"
-            )
-        kwargs["one_zero_attention_mask" if encoder else "attention_mask"] = attention_mask.to(torch.long)
+    kwargs = adapter(model).forward_kwargs(
+        return_type=return_type, stop_at_layer=stop_at_layer, attention_mask=attention_mask
+    )
     with torch.no_grad(), model.hooks(fwd_hooks=list(fwd_hooks), reset_hooks_end=True):
         return model(tokens, **kwargs)
 

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from mechgeom.models.adapter import adapter
 from mechgeom.typing import Bool, Tensor, Tokens
 
 __all__ = [
@@ -97,14 +98,14 @@ def check_indices(values: Any, size: int, what: str) -> list[int]:
 
 
 def is_bidirectional(model: Any) -> bool:
-    """Whether ``model`` attends both ways (an encoder: BERT, ``attention_dir="bidirectional"``).
+    """Whether ``model`` attends both ways (an encoder: BERT, ``attention_dir="bidirectional"``, or a
+    ``HookedEncoder``), as its backend adapter says (:mod:`mechgeom.models.adapter`).
 
     >>> from types import SimpleNamespace
     >>> is_bidirectional(SimpleNamespace(cfg=SimpleNamespace(attention_dir="bidirectional")))
     True
     """
-    cfg = getattr(model, "cfg", None)
-    return getattr(cfg, "attention_dir", "causal") == "bidirectional" or "Encoder" in type(model).__name__
+    return adapter(model).is_encoder
 
 
 def check_decoder(model: Any, what: str = "this analysis") -> None:

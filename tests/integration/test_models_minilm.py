@@ -15,8 +15,7 @@ import pytest
 import torch
 from conftest import require_minilm
 
-from mechgeom import encoder_models as em
-from mechgeom.models import cache_dir, default_backend, is_encoder, list_models, load_model
+from mechgeom.models import cache_dir, default_backend, encoders as em, is_encoder, list_models, load_model
 
 TEXTS = [
     "A man is eating food.",

@@ -17,7 +17,7 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
-from conftest import HAS_HOOKED, make_tiny, random_tokens
+from conftest import HAS_HOOKED, make_hooked_encoder, make_tiny, random_tokens
 
 from mechgeom.analyses.contribution.weights import contribution_weights
 from mechgeom.analyses.faithfulness import embedding as ef
@@ -46,19 +46,7 @@ def _encoder(seed: int) -> object:
     """A tiny random encoder whose forward follows ``hook_pattern`` edits, on either TransformerLens line."""
     if not HAS_HOOKED:
         return make_tiny(attention_dir="bidirectional", seed=seed)
-    from transformer_lens import HookedEncoder, HookedTransformerConfig
-
-    cfg = HookedTransformerConfig(
-        n_layers=2, d_model=16, n_ctx=16, d_head=4, n_heads=4, d_mlp=32, act_fn="gelu", d_vocab=50,
-        attention_dir="bidirectional", seed=seed,
-    )  # fmt: skip
-    model = HookedEncoder(cfg, move_to_device=False)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():  # HookedEncoder leaves its weights uninitialised
-        for p in model.parameters():
-            p.copy_(torch.randn(p.shape, generator=g) * 0.5)
-    model.eval()
-    return model
+    return make_hooked_encoder(seed)
 
 
 def pooled(model, tokens, attention_mask, *, fwd_hooks=()):
@@ -465,7 +453,7 @@ def test_a_bridge_that_discards_pattern_edits_is_masked_at_hook_z_or_refused(mon
 
 
 def test_default_embedding_is_the_sentence_embedding() -> None:
-    from mechgeom.encoder_models import sentence_embedding
+    from mechgeom.models.encoders import sentence_embedding
 
     model = _encoder(98)
     tokens, mask = _padded(99)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import make_tiny, needs_hooked, random_tokens
+from conftest import make_hooked_encoder, make_tiny, needs_hooked, random_tokens
 from reference_contribution import acts_of, assert_all_metrics_match, brute_force
 
 from mechgeom.analyses.contribution.weights import (
@@ -238,26 +238,7 @@ def test_encoder_reader_captures_every_key_for_modified_mask() -> None:
 
 @needs_hooked
 def test_hooked_encoder_matches_reference_with_a_padding_mask() -> None:
-    from transformer_lens import HookedEncoder, HookedTransformerConfig
-
-    cfg = HookedTransformerConfig(
-        n_layers=2,
-        d_model=16,
-        n_ctx=16,
-        d_head=4,
-        n_heads=4,
-        d_mlp=32,
-        act_fn="gelu",
-        d_vocab=50,
-        attention_dir="bidirectional",
-        seed=74,
-    )
-    model = HookedEncoder(cfg)
-    g = torch.Generator().manual_seed(74)
-    with torch.no_grad():  # HookedEncoder leaves its weights uninitialised
-        for p in model.parameters():
-            p.copy_(torch.randn(p.shape, generator=g) * 0.5)
-    model.eval()
+    model = make_hooked_encoder(74)
     tokens, mask, lengths = _padded_batch(75)
     res = contribution_weights(model, tokens, attention_mask=mask)
     _, cache = model.run_with_cache(tokens, one_zero_attention_mask=mask)

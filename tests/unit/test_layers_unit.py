@@ -27,7 +27,6 @@ BELOW_HOOKS = {
     "_batch_queue",
     "_deprecation",
     "_kernels",
-    "_model_cache",
     "sweep",
     "models",
     "encoder_models",

@@ -10,7 +10,7 @@ import torch
 from conftest import make_tiny
 
 from mechgeom import models
-from mechgeom.models import gguf_path, list_models, load_model
+from mechgeom.models import decoders, gguf_path, list_models, load_model
 
 
 def test_list_models_names_the_offline_choices() -> None:
@@ -94,13 +94,13 @@ def test_auto_backend_follows_the_installed_transformer_lens(monkeypatch: pytest
     major = int(models.TL_VERSION.split(".")[0])
     assert models.default_backend() == ("hooked" if major < 4 else "bridge")
     assert (models.HookedTransformer is None) == (major >= 4)
-    assert models._resolve_backend("auto") == models.default_backend()
-    assert models._resolve_backend("bridge") == "bridge"
+    assert decoders._resolve_backend("auto") == models.default_backend()
+    assert decoders._resolve_backend("bridge") == "bridge"
 
 
 def test_hooked_backend_on_transformer_lens_4_names_the_version(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(models, "HookedTransformer", None)
-    monkeypatch.setattr(models, "TL_VERSION", "4.3.0")
+    monkeypatch.setattr(decoders, "HookedTransformer", None)
+    monkeypatch.setattr(decoders, "TL_VERSION", "4.3.0")
     assert models.default_backend() == "bridge"
     with pytest.raises(
         ValueError, match=r"backend='hooked'.*transformer-lens 4\.3\.0 is installed.*'bridge'"
@@ -112,12 +112,12 @@ def test_hooked_backend_on_transformer_lens_4_names_the_version(monkeypatch: pyt
 
 def test_each_offline_model_carries_its_bos_rule() -> None:
     # SmolLM2's GGUF tokenizer adds no BOS; Gemma's starts every text with <bos> (SPEC.md).
-    assert models._MODELS["smollm2-135m"].prepend_bos is False
-    assert models._MODELS["gemma-3-270m"].prepend_bos is True
+    assert decoders._MODELS["smollm2-135m"].prepend_bos is False
+    assert decoders._MODELS["gemma-3-270m"].prepend_bos is True
     from types import SimpleNamespace
 
     m = SimpleNamespace(cfg=SimpleNamespace(default_prepend_bos=True))
-    models._apply_bos_rule(m, models._MODELS["smollm2-135m"])
+    decoders._apply_bos_rule(m, decoders._MODELS["smollm2-135m"])
     assert m.cfg.default_prepend_bos is False
 
 
@@ -142,15 +142,15 @@ def test_cache_dir_follows_env(monkeypatch: pytest.MonkeyPatch, tmp_path: object
 @needs_hooked  # the hooked cache's HookedTransformerConfig
 def test_config_json_round_trip_is_exact() -> None:
     cfg = make_tiny(n_kv=2).cfg
-    back = models._cfg_from_json(json.loads(json.dumps(models._cfg_to_json(cfg))))
-    for key, value in models._cfg_to_json(cfg).items():
-        assert models._cfg_to_json(back)[key] == value, key
+    back = decoders._cfg_from_json(json.loads(json.dumps(decoders._cfg_to_json(cfg))))
+    for key, value in decoders._cfg_to_json(cfg).items():
+        assert decoders._cfg_to_json(back)[key] == value, key
 
 
 def test_config_serialisation_leaves_the_model_untouched() -> None:
     model = make_tiny()
     before = dict(model.cfg.to_dict())
-    models._cfg_to_json(model.cfg)
+    decoders._cfg_to_json(model.cfg)
     assert model.cfg.dtype is torch.float32 and model.cfg.to_dict().keys() == before.keys()
     model(torch.tensor([[1, 2, 3]]))  # a mutated dtype string would break the forward
 
@@ -161,7 +161,7 @@ def test_stale_cache_entry_is_refused(tmp_path: object) -> None:
     path = Path(str(tmp_path)) / "x.pt"
     torch.save({"format": -1, "sha256": "abc", "cfg_json": "{}", "state_dict": {}}, path)
     with pytest.raises(ValueError, match="stale"):
-        models._load_cache(path, Path(str(tmp_path)), "abc")
+        decoders._load_cache(path, Path(str(tmp_path)), "abc")
 
 
 @needs_hooked
@@ -198,3 +198,17 @@ def test_linear_layout_stops_the_weight_copies_and_changes_no_number() -> None:
     assert torch.equal(logits, logits2) and torch.equal(loss, loss2)
     assert set(cache.keys()) == set(cache2.keys())
     assert all(torch.equal(cache[k], cache2[k]) for k in cache)
+
+
+def test_the_old_encoder_models_module_warns_and_is_the_new_one() -> None:
+    import importlib
+    import sys
+
+    from mechgeom.models import encoders
+
+    sys.modules.pop("mechgeom.encoder_models", None)
+    with pytest.warns(DeprecationWarning, match=r"mechgeom\.models\.encoders"):
+        old = importlib.import_module("mechgeom.encoder_models")
+    assert old.__all__ == encoders.__all__
+    for name in [*encoders.__all__, "MINILM_MODULE", "MINILM_WHEEL"]:
+        assert getattr(old, name) is getattr(encoders, name), name

@@ -3,7 +3,7 @@
 A decoder's faithfulness is ΔPPL of next-token prediction (:mod:`mechgeom.analyses.faithfulness.curves`); an
 encoder (BERT-style, bidirectional attention, e.g. ``"minilm-l6"``) predicts no next token. Its outcome is
 the **sentence embedding** ``e``: the final hidden states mean-pooled over the real (non-padding) tokens
-(sentence-transformers' pooling, :func:`mechgeom.encoder_models.sentence_embedding`). Definition:
+(sentence-transformers' pooling, :func:`mechgeom.models.encoders.sentence_embedding`). Definition:
 
 - **Effect.** "``effect = 1 − cos(e_masked, e_clean)`` per text (0 = no change)", in ``[0, 2]`` (clamped
   there against rounding; NaN where an embedding is the zero vector). A curve is the mean effect over
@@ -13,7 +13,7 @@ the **sentence embedding** ``e``: the final hidden states mean-pooled over the r
   **without renormalising**, as a hook on ``hook_pattern``", at every chosen layer at once
   (:func:`mechgeom.hooks.masking_hooks`); the ranking comes from one clean pass and is never re-ranked.
   Where the model discards ``hook_pattern`` edits (TransformerLens 4's BERT bridge fires the hook after
-  HF's attention has run; 3.x bridges ignore the edit; one probe pass per call finds out), the same removal
+  HF's attention has run; 3.x bridges ignore the edit; the model's adapter probes it), the same removal
   is made at ``hook_z``: ``z[i,h] − sum_j alpha[h,i,j] v[j,h]`` over the removed ``j``, with ``alpha``
   recomputed from ``hook_q``/``hook_k`` of that pass and checked against ``hook_pattern`` every time.
 - **Sources and counting.** An encoder's query sees every key, so the sources of a real query ``i`` of a
@@ -39,7 +39,6 @@ Paper A's claim (contribution most faithful) is judged by the area under each ef
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -69,14 +68,13 @@ from mechgeom.hooks import (
     expand_kv,
     hook_name,
     is_bidirectional,
-    layer_b_O,
     masking_hooks,
     padding_mask,
     rank_sources,
     removal_mask,
-    run_hooks,
     to_tokens,
 )
+from mechgeom.models.adapter import adapter
 from mechgeom.typing import Bool, Float, Int, SourceRanks, Tensor, Tokens, Z
 
 __all__ = [
@@ -92,7 +90,7 @@ __all__ = [
 EMBEDDING_RATES = (0.0, 0.1, 0.25, 0.5, 0.75, 0.9)
 
 #: ``embedding_fn(model, tokens, attention_mask, *, fwd_hooks=()) -> [batch, d_model]``, as
-#: :func:`mechgeom.encoder_models.sentence_embedding`.
+#: :func:`mechgeom.models.encoders.sentence_embedding`.
 EmbeddingFn = Callable[..., Float[Tensor, "batch d_model"]]
 
 
@@ -266,11 +264,8 @@ def _check_mask(model: Any, tokens: Tokens, attention_mask: Tensor | None) -> Bo
     empty = (~mask.any(-1)).nonzero().flatten().tolist()
     if empty:
         raise ValueError(f"text(s) {empty} have no real token (attention_mask is 0 everywhere)")
-    if type(model).__name__ == "HookedTransformer" and not bool(mask.all()):
-        raise ValueError(
-            "a bidirectional HookedTransformer ignores attention masks, so padding would be attended; "
-            "use a HookedEncoder or a bridge"
-        )
+    if not bool(mask.all()):
+        adapter(model).check_attention_mask()  # a model that would attend to padding is refused
     return mask.to(tokens.device)
 
 
@@ -328,28 +323,16 @@ class _ZSideMask:
 
 def _masking_path(model: Any, tokens: Tokens, layer: int) -> str:
     """``"pattern"`` when a zeroed ``hook_pattern`` reaches the model's output, else ``"z"`` when
-    :class:`_ZSideMask` does (each tried on ``tokens``, one text of real tokens: removing every source must
-    leave ``hook_attn_out = b_O``); neither raises ``RuntimeError``."""
-    b_O = layer_b_O(model, layer).detach().float()
+    :class:`_ZSideMask` does (each tried on ``tokens``, one text of real tokens, by the backend's adapter:
+    removing every source must leave ``hook_attn_out = b_O``); neither raises ``RuntimeError``."""
+    backend = adapter(model)
+    if backend.pattern_edits_take_effect(layer, tokens=tokens):
+        return "pattern"
     real = torch.ones(tokens.shape, dtype=torch.bool, device=tokens.device)
-    seen: dict[str, Tensor] = {}
-    for path in ("pattern", "z"):
-        seen.clear()
-        if path == "pattern":
-            edits: list[FwdHook] = [(hook_name(layer, "pattern"), lambda p, hook: torch.zeros_like(p))]
-        else:
-            edits = _ZSideMask(model, layer, real[:, None, None, :] & real[:, None, :, None], real).hooks
-        read = (hook_name(layer, "attn_out"), lambda x, hook: seen.__setitem__("out", x.detach().float()))
-        with warnings.catch_warnings():  # a bridge warns that it discards the pattern edit: that is the test
-            warnings.simplefilter("ignore", UserWarning)
-            run_hooks(model, tokens, [*edits, read])
-        if "out" in seen and float((seen["out"] - b_O).abs().max()) <= 1e-4 * (1 + float(b_O.abs().max())):
-            return path
-    raise RuntimeError(
-        f"{type(model).__name__} ignores edits to blocks.{layer}.attn.hook_pattern and hook_z (removing every "
-        "source leaves hook_attn_out unchanged), so source masking would change nothing; use a HookedEncoder "
-        "(load_model(..., backend='hooked')) or TransformerLens 4"
-    )
+    zside = _ZSideMask(model, layer, real[:, None, None, :] & real[:, None, :, None], real)
+    if backend.edits_reach_output(layer, zside.hooks, tokens=tokens):
+        return "z"
+    raise backend.ignored_edits_error(layer, ("hook_pattern", "hook_z"), "source masking")
 
 
 def _masked_hooks(
@@ -447,7 +430,7 @@ def embedding_curves(
     ids, or none) marks padding. One clean pass per batch of ``batch_size`` texts (the clean embedding and
     every ranking, streamed layer by layer), then one masked pass per (metric, mode, rate > 0); metrics
     whose rankings coincide on a batch share their passes. ``embedding_fn(model, tokens, attention_mask,
-    *, fwd_hooks)`` gives the embeddings (default :func:`mechgeom.encoder_models.sentence_embedding`);
+    *, fwd_hooks)`` gives the embeddings (default :func:`mechgeom.models.encoders.sentence_embedding`);
     ``extra_hooks`` are attached first in every pass (the curves of the modified model). ``verbose`` shows
     a progress bar over the passes.
 
@@ -465,7 +448,7 @@ def embedding_curves(
     tokens = to_tokens(model, tokens_or_text, what="embedding faithfulness", encoders=True)
     mask = _check_mask(model, tokens, attention_mask)
     if embedding_fn is None:
-        from mechgeom.encoder_models import sentence_embedding
+        from mechgeom.models.encoders import sentence_embedding
 
         embedding_fn = sentence_embedding
     path = _masking_path(model, tokens[:1][:, mask[0]], chosen[0])

