@@ -16,6 +16,7 @@ them, so an analysis streams over layers and never holds more than one layer's a
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -25,7 +26,7 @@ import torch
 from transformer_lens.hook_points import HookPoint
 
 from mechgeom._progress import progress
-from mechgeom.hooks.validation import is_bidirectional, padding_mask, resolve_layers
+from mechgeom.hooks.validation import check_attention_mask, is_bidirectional, padding_mask, resolve_layers
 from mechgeom.models.adapter import adapter
 from mechgeom.typing import WO, Bool, Float, HeadOut, Pattern, Tensor, Tokens, Values, Z
 
@@ -34,6 +35,8 @@ __all__ = [
     "LayerActivations",
     "LayerCollector",
     "expand_kv",
+    "foreign_hooks_after",
+    "future_weight",
     "has_hooks",
     "head_outputs",
     "hook_name",
@@ -203,6 +206,60 @@ def _sole_hook(hook: HookPoint | None) -> bool:
     )
 
 
+def _user_hooks(hook: HookPoint) -> list[Any]:
+    """The functions registered on ``hook`` as forward hooks, in the order they run: the hook TransformerLens
+    wraps (the ``hook`` cell of its wrapper's closure), or the raw PyTorch hook where there is no such cell."""
+    out = []
+    for fn in hook._forward_hooks.values():
+        code, cells = getattr(fn, "__code__", None), getattr(fn, "__closure__", None) or ()
+        names = code.co_freevars if code is not None else ()
+        inner = cells[names.index("hook")].cell_contents if "hook" in names else fn
+        out.append(inner)
+    return out
+
+
+def _is_reader(fn: Any) -> bool:
+    """Whether ``fn`` is the hook of a :class:`LayerCollector` (it only reads)."""
+    method = getattr(fn, "func", None)
+    return getattr(method, "__func__", None) is LayerCollector._store
+
+
+def foreign_hooks_after(hook: HookPoint | None, reader: LayerCollector, layer: int, kind: str) -> list[Any]:
+    """The hooks on ``hook`` that run after ``reader``'s hook for ``(layer, kind)`` and are not mechgeom readers:
+    what they return replaces the activation the reader just read, unseen by it. Empty where the hook point
+    cannot be read."""
+    if not isinstance(hook, torch.nn.Module):
+        return []
+    fns = _user_hooks(hook)
+
+    def is_mine(fn: Any) -> bool:
+        return _is_reader(fn) and fn.func.__self__ is reader and fn.keywords == {"layer": layer, "kind": kind}
+
+    at = next((i for i, fn in enumerate(fns) if is_mine(fn)), None)
+    return [] if at is None else [fn for fn in fns[at + 1 :] if not _is_reader(fn)]
+
+
+def future_weight(pattern: Pattern, block_size: int = 128) -> Bool[Tensor, "batch head_index query_pos"]:
+    """Where a causal model's pattern puts weight on a key after its query (an edit made it non-causal): the
+    metrics count only keys up to the query, so such a row reads as modified at any length. By blocks of
+    queries, so no ``[q, k]`` copy of the pattern is made.
+
+    >>> p = torch.tensor([[[[1.0, 0.0], [0.5, 0.5]]]])
+    >>> future_weight(p).tolist(), future_weight(p.flip(-1)).tolist()
+    ([[[False, False]]], [[[True, False]]])
+    """
+    B, H, Q, K = pattern.shape
+    out = torch.zeros(B, H, Q, dtype=torch.bool, device=pattern.device)
+    for q0 in range(0, Q, block_size):
+        q1 = min(q0 + block_size, Q)
+        rows = pattern[:, :, q0:q1]
+        hit = torch.triu(rows[..., q0:q1], diagonal=1).ne(0).any(-1)
+        if q1 < K:
+            hit |= rows[..., q1:].ne(0).any(-1)
+        out[:, :, q0:q1] = hit
+    return out
+
+
 def _attended_keys(pattern: Pattern) -> Bool[Tensor, "batch key_pos"] | None:
     """Keys some query attends to in some head, per text: an encoder's padding is the rest (``None``: no padding)."""
     seen = pattern.detach().amax(dim=(1, 2)) > 0  # [b k]
@@ -245,13 +302,17 @@ class LayerCollector:
         self.causal = not is_bidirectional(model)
         self._pending: dict[int, dict[str, Tensor]] = {}
         self._alone: dict[int, dict[str, bool]] = {}  # kind -> its hook point had no other hook
+        self._warned: set[str] = set()  # hook points where a foreign hook was seen after the reader
         self.captured: dict[int, LayerActivations] = {}
 
     def _store(self, tensor: Tensor, hook: HookPoint, *, layer: int, kind: str) -> None:
         # tensor: pattern [batch head q k] | v [batch pos kv_head d_head] | z [batch pos head d_head]
         slot = self._pending.setdefault(layer, {})
         slot[kind] = tensor.detach() if self.detach else tensor
-        self._alone.setdefault(layer, {})[kind] = _sole_hook(hook)
+        alone = _sole_hook(hook)
+        self._alone.setdefault(layer, {})[kind] = alone
+        if not alone:
+            self._warn_if_read_before_a_change(hook, layer, kind)
         if len(slot) == 3:
             del self._pending[layer]
             v = expand_kv(slot["v"], int(self.model.cfg.n_heads))
@@ -262,6 +323,8 @@ class LayerCollector:
                     modified = modified_mask(
                         slot["pattern"], v, slot["z"], rtol=self.modified_rtol, causal=self.causal
                     )
+                    if self.causal:  # weight after the query: not a source the metrics count
+                        modified |= future_weight(slot["pattern"])
             acts = LayerActivations(
                 layer=layer,
                 pattern=slot["pattern"],
@@ -277,6 +340,27 @@ class LayerCollector:
                 self.captured[layer] = acts
             else:
                 self.on_layer(acts)
+
+    def _warn_if_read_before_a_change(self, hook: HookPoint, layer: int, kind: str) -> None:
+        """Warn (once per hook point) when a hook that is not a reader runs after this one on the same point.
+
+        The reader cannot see what that hook returns, so an edit it makes there (a ``hook_z`` patch above all)
+        would go unmarked. The reader warns rather than moving itself: the order of a user's own hook list is
+        the user's, and a hook placed after it may only read.
+        """
+        name = hook_name(layer, kind)  # type: ignore[arg-type]
+        if name in self._warned:
+            return
+        later = foreign_hooks_after(hook, self, layer, kind)
+        if later:
+            self._warned.add(name)
+            warnings.warn(
+                f"a hook runs after mechgeom's reader on {name}; the reader cannot see what it returns, so an edit "
+                "it makes there is not in the analysis (nor marked as modified). Put interventions before the "
+                "readers: fwd_hooks=[*interventions, *collector.fwd_hooks] (mechgeom's own functions do). If that "
+                "hook only reads, this warning does not apply.",
+                stacklevel=2,
+            )
 
     @property
     def fwd_hooks(self) -> list[FwdHook]:
@@ -322,6 +406,8 @@ def run_hooks(
     """
     if attention_mask is None and is_bidirectional(model):
         attention_mask = padding_mask(model, tokens)
+    if attention_mask is not None:
+        check_attention_mask(attention_mask, tokens)
     kwargs = adapter(model).forward_kwargs(
         return_type=return_type, stop_at_layer=stop_at_layer, attention_mask=attention_mask
     )

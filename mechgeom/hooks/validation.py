@@ -18,6 +18,7 @@ from mechgeom.typing import Bool, Tensor, Tokens
 
 __all__ = [
     "TokensOrText",
+    "check_attention_mask",
     "check_decoder",
     "check_index",
     "check_indices",
@@ -34,15 +35,52 @@ def _n_layers(model: Any) -> int:
     return int(model.cfg.n_layers)
 
 
-def resolve_layers(model: Any, layers: int | Sequence[int] | None) -> list[int]:
-    """``None`` means every layer; an int or a list is checked against ``n_layers``.
+def _index_list(values: Any, what: str, plural: str) -> list[int]:
+    """An int or a sequence of ints as a list; strings, bools and floats are a ``TypeError`` (``"12"`` would
+    otherwise read as layers 1 and 2, and ``True`` as layer 1)."""
 
-    Raises ``IndexError`` for a layer out of range and ``ValueError`` for duplicates or an empty list.
+    def bad(x: Any) -> bool:
+        return isinstance(x, bool | str | bytes | float) or not hasattr(x, "__index__")
+
+    if isinstance(values, str | bytes) or (not isinstance(values, Sequence | Tensor) and bad(values)):
+        raise TypeError(
+            f"{plural} takes an int or a sequence of ints, got {type(values).__name__} {values!r}: "
+            f"e.g. {plural}=12 or {plural}=[1, 2] (None for every {what})"
+        )
+    if isinstance(values, Tensor):
+        if values.dtype.is_floating_point or values.dtype == torch.bool or values.ndim > 1:
+            raise TypeError(
+                f"{plural} takes integer indices, got a {values.dtype} tensor of shape {tuple(values.shape)}"
+            )
+        values = values.tolist() if values.ndim else int(values)
+    if not isinstance(values, Sequence):
+        return [operator.index(values)]
+    wrong = [x for x in values if bad(x)]
+    if wrong:
+        raise TypeError(
+            f"{plural} must hold ints, got {wrong[0]!r} ({type(wrong[0]).__name__}) in {list(values)!r}"
+        )
+    return [operator.index(x) for x in values]
+
+
+def resolve_layers(model: Any, layers: int | Sequence[int] | None) -> list[int]:
+    """``None`` means every layer; an int or a sequence of ints is checked against ``n_layers``.
+
+    Raises:
+        TypeError: a string, bool or float (``"12"`` is not layers 1 and 2; ``True`` is not layer 1).
+        IndexError: a layer out of range, naming the valid range.
+        ValueError: duplicates or an empty list.
+
+    >>> from types import SimpleNamespace
+    >>> resolve_layers(SimpleNamespace(cfg=SimpleNamespace(n_layers=30)), "12")
+    Traceback (most recent call last):
+    ...
+    TypeError: layers takes an int or a sequence of ints, got str '12': e.g. layers=12 or layers=[1, 2] (None for every layer)
     """
     n = _n_layers(model)
     if layers is None:
         return list(range(n))
-    out = [int(layers)] if isinstance(layers, int) else [int(x) for x in layers]
+    out = _index_list(layers, "layer", "layers")
     if not out:
         raise ValueError("layers is empty; pass None for every layer")
     bad = [x for x in out if not 0 <= x < n]
@@ -58,7 +96,7 @@ def resolve_heads(model: Any, heads: int | Sequence[int] | None) -> list[int]:
     n = int(model.cfg.n_heads)
     if heads is None:
         return list(range(n))
-    out = [int(heads)] if isinstance(heads, int) else [int(x) for x in heads]
+    out = _index_list(heads, "head", "heads")
     if not out:
         raise ValueError("heads is empty; pass None for every head")
     bad = [x for x in out if not 0 <= x < n]
@@ -115,6 +153,31 @@ def check_decoder(model: Any, what: str = "this analysis") -> None:
             f"{type(model).__name__} is not a causal decoder (attention_dir="
             f"{getattr(model.cfg, 'attention_dir', None)!r}); {what} supports causal decoders only "
             "(on an encoder: contribution weights, sinks and embedding faithfulness)"
+        )
+
+
+def check_attention_mask(mask: Any, tokens: Tokens) -> None:
+    """Check an ``attention_mask`` against ``tokens``: ``[batch, pos]`` like them, of bools or 0/1 integers.
+
+    Raises:
+        TypeError: not a tensor, or a float tensor other than 0/1.
+        ValueError: another shape (named beside the tokens'), or values other than 0 and 1.
+
+    >>> check_attention_mask(torch.ones(2, 5), torch.zeros(2, 6, dtype=torch.long))
+    Traceback (most recent call last):
+    ...
+    ValueError: attention_mask has shape (2, 5), but the tokens are (2, 6): give one 1/0 (or True/False) per token, [batch, pos], 1 at real tokens and 0 at padding
+    """
+    if not isinstance(mask, Tensor):
+        raise TypeError(f"attention_mask must be a tensor of shape [batch, pos], got {type(mask).__name__}")
+    if tuple(mask.shape) != tuple(tokens.shape):
+        raise ValueError(
+            f"attention_mask has shape {tuple(mask.shape)}, but the tokens are {tuple(tokens.shape)}: give one "
+            "1/0 (or True/False) per token, [batch, pos], 1 at real tokens and 0 at padding"
+        )
+    if mask.dtype != torch.bool and not bool(((mask == 0) | (mask == 1)).all()):
+        raise ValueError(
+            "attention_mask must hold only 0 and 1 (or True and False): 1 at real tokens, 0 at padding"
         )
 
 

@@ -295,6 +295,12 @@ class ContributionCollector(Collector):
         super().__init__(model, layers)
         self.intra_metrics = _check_metrics(intra, INTRA_METRICS, "intra-head")
         self.inter_metrics = _check_metrics(inter, INTER_METRICS, "inter-head")
+        if not self.intra_metrics and not self.inter_metrics:
+            raise ValueError(
+                "intra=[] and inter=[] leave nothing to compute: name at least one metric, e.g. "
+                f"intra=['contribution'] (intra-head: {list(INTRA_METRICS)}; inter-head: {list(INTER_METRICS)}), "
+                "or leave both out for every metric"
+            )
         self.user_on_layer = on_layer
         self.store_device = torch.device(store_device)
         self.reuse_buffers = reuse_buffers
