@@ -280,7 +280,7 @@ def _smollm2_config(hf_config: Any, dtype: torch.dtype) -> HookedTransformerConf
         rotary_base=c.rope_parameters["rope_theta"],
         final_rms=True,
         gated_mlp=True,
-        # SmolLM2's GGUF tokenizer adds no BOS: position 0 is the first text token (SPEC.md).
+        # SmolLM2's GGUF tokenizer adds no BOS: position 0 is the first text token (docs/definitions.md §1.5).
         tokenizer_prepends_bos=False,
         default_prepend_bos=_MODELS["smollm2-135m"].prepend_bos,
         dtype=dtype,

@@ -1,6 +1,6 @@
 """The blocked sweep of :class:`~mechgeom.analyses.contribution.geometry.LayerGeometry` with one fused pass per block.
 
-Same numbers as the plain-torch sweep (SPEC.md §A; the formulas are those of
+Same numbers as the plain-torch sweep (``docs/definitions.md`` §2; the formulas are those of
 :mod:`mechgeom.analyses.contribution.geometry`, one function each there), arranged so that every product is
 one batched matmul over heads (BLAS) and every element-wise step one pass of the C kernels of
 ``contribution_rows.c``, each metric tensor written once:
