@@ -486,9 +486,8 @@ def linear_layout(model: Any) -> Any:
     every forward pass, which copies those matrices each time: three per layer and the ``[d_model, d_vocab]``
     unembedding. Laid out this way, ``W.T`` is contiguous already and nothing is copied; ``F.linear`` gets
     the same matrix in the same layout, so the outputs are bitwise the same. :func:`load_model` does this
-    for the models it loads with the hooked backend (measured on SmolLM2-135M at 1 x 256 tokens, 2 CPU
-    threads: a forward pass 405 -> 316 ms, one with the loss 550 -> 387 ms). TransformerLens 3.x only (4.x has
-    no ``HookedTransformer``; its bridge runs the HF modules).
+    for the models it loads with the hooked backend (the time it saves is in ``docs/benchmarks.md``).
+    TransformerLens 3.x only (4.x has no ``HookedTransformer``; its bridge runs the HF modules).
     """
     from transformer_lens.components import GatedMLP, Unembed
 

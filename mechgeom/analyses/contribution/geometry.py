@@ -462,7 +462,7 @@ class LayerGeometry:
         step = self.block_size or BLOCK_SIZE
         bs = min(step, Q)
         upper = torch.ones(bs, bs, dtype=torch.bool, device=alpha.device).triu_(1)  # key > query in a block
-        lower = (~upper).to(alpha.dtype)  # 1 where key <= query: a product zeroes the rest ~8x faster
+        lower = (~upper).to(alpha.dtype)  # 1 where key <= query: a product zeroes the rest (faster)
 
         for q0 in range(0, Q, step):
             q1 = min(q0 + step, Q)
