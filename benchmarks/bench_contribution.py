@@ -1,4 +1,4 @@
-"""Benchmark: contribution weights (SPEC.md §A) on SmolLM2-135M, against a plain cache and a naive reference.
+"""Benchmark: contribution weights (``docs/definitions.md`` §2) on SmolLM2-135M, against a plain cache and a naive reference.
 
 For each input shape (batch x tokens) it measures, side by side in one process (``--isolate``: each in a
 fresh worker process instead):

@@ -102,7 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
         "contributions",
         help="contribution weights of one text as CSV, Parquet or HTML",
         description=(
-            "Contribution weights and their baselines (SPEC.md §A) of one text. The format follows --out's "
+            "Contribution weights and their baselines (docs/definitions.md §2) of one text. The format follows --out's "
             "suffix: .csv or .parquet (one row per layer, head, query, source), .html (circuitsvis views of "
             "attention and contribution weights, self-contained)."
         ),

@@ -1,4 +1,4 @@
-"""Markdown tables of a ``mechgeom sweep tasks`` result, for the README.
+"""Markdown tables of a ``mechgeom sweep tasks`` result, for ``results/tasks/README.md``.
 
     python scripts/task_tables.py results/tasks/smollm2-135m/tasks.csv [--mode comprehensiveness]
 

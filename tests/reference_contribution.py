@@ -1,4 +1,4 @@
-"""Brute-force reference for contribution weights (SPEC.md §A), shared by the unit and integration tests.
+"""Brute-force reference for contribution weights (``docs/definitions.md`` §2), shared by the unit and integration tests.
 
 It materialises ``T[h] = alpha[h,i,j] * vt[j,h]`` as an explicit ``[q, k, d_model]`` tensor per head
 (float64, plain loops, GQA by indexing ``h // group`` rather than ``expand_kv``) and reads every metric off
@@ -39,7 +39,7 @@ def brute_force(
     out["o_head"] = torch.zeros(B, Q, H, W_O.shape[-1], dtype=torch.float64)
 
     def ratio_or_nan(num: torch.Tensor, den: torch.Tensor) -> torch.Tensor:
-        # SPEC: a zero output norm gives NaN (never inf, never 0)
+        # docs/definitions.md §2.4: a zero output norm gives NaN (never inf, never 0)
         return torch.where(den == 0, torch.full_like(num, NAN), num / den)
 
     for b in range(B):

@@ -1,11 +1,11 @@
-/* The element-wise parts of SPEC.md §A's metric family: the per-token value Gram from its products, the
+/* The element-wise parts of the metric family of docs/definitions.md §2: the per-token value Gram from its products, the
  * output norms, and every metric of a block of query rows in one pass per row.
  *
  * Built on first use by mechgeom/_kernels/build.py (`cc -O3 -shared`, with `-fopenmp` where PyTorch's own OpenMP
  * runtime, libgomp, is loaded: the `omp parallel` regions below then run on PyTorch's thread pool) and called
  * through ctypes by mechgeom/_kernels/fused.py, which computes the products (BLAS matmuls),
  * checks every shape and gives the strides. The formulas are those of
- * mechgeom/analyses/contribution/geometry.py (SPEC.md §A), one function each there. `n_threads` <= 1 runs
+ * mechgeom/analyses/contribution/geometry.py (docs/definitions.md §2), one function each there. `n_threads` <= 1 runs
  * a function on the calling thread; without OpenMP the pragmas are ignored and everything runs there.
  *
  * The file includes itself twice, for float (`_f32`) and double (`_f64`).

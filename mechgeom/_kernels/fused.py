@@ -1,6 +1,6 @@
 """The blocked sweep of :class:`~mechgeom.analyses.contribution.geometry.LayerGeometry` with one fused pass per block.
 
-Same numbers as the plain-torch sweep (SPEC.md §A; the formulas are those of
+Same numbers as the plain-torch sweep (``docs/definitions.md`` §2; the formulas are those of
 :mod:`mechgeom.analyses.contribution.geometry`, one function each there), arranged so that every product is
 one batched matmul over heads (BLAS) and every element-wise step one pass of the C kernels of
 ``contribution_rows.c``, each metric tensor written once:
@@ -96,7 +96,7 @@ _ARGTYPES = {
 #: microseconds, which pays from about this size on (measured at 1x256 on SmolLM2, 2 cores).
 _MIN_PARALLEL = 1 << 15
 #: Bytes of the Gram's products per chunk of tokens (``[head, tokens, (H // 2 + 1) * d_head]``): one chunk at
-#: 1x256 on SmolLM2 (measured: 0.89 ms a layer, against 1.09 ms in chunks of 1 MB that stay in L2).
+#: 1x256 on SmolLM2, which measured faster than chunks of 1 MB that stay in L2 (``docs/benchmarks.md``).
 GRAM_CHUNK_BYTES = 1 << 22
 
 
@@ -220,7 +220,7 @@ def sweep_blocks(geo: LayerGeometry, want: set[str], out: dict[str, Tensor], *, 
         zh = _head_major(z, geo, "fused_z") if need_oh else None  # [h (b q) d]
         vh = _head_major(geo.v.to(dtype), geo, "fused_v")  # [h (b k) d]
         # z[i,h] M[h] = o[i,h] @ W_O[h].T, head-major [h (b q) d]; o[i] @ W_O[h].T for every h at once as
-        # z[i] @ M, token-major [(b q) (h d)] (one matmul: at 1x256 on SmolLM2 0.66 ms against 0.80 ms batched)
+        # z[i] @ M, token-major [(b q) (h d)] (one matmul, faster than one batched over heads: docs/benchmarks.md)
         hu = torch.bmm(zh, layouts.diag) if zh is not None else None
         lu = torch.mm(z.reshape(B * Q, H * D), layouts.square) if need_ol else None
         inv_oh, inv_ol = _out_norms(geo, z, hu, lu)

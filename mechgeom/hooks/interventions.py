@@ -3,7 +3,7 @@
 One naming scheme: ``*_hooks(model, ...)`` builds the pairs for chosen layers and heads, and each pair's
 ``fn`` is a ``*_hook(tensor, hook, **settings) -> tensor`` closure (shapes commented). They mix with
 ``transformer_lens.patching`` hooks and mechgeom's readers in one ``run_with_hooks`` call; put them before
-the readers. SPEC.md defines each intervention:
+the readers. ``docs/definitions.md`` defines each intervention (§3.1, §4.5, §4.6, §7.1):
 
 - source masking (paper A's faithfulness): :func:`masking_hooks` / :func:`mask_sources_hook` /
   :func:`ranked_mask_hook`, with the ranking maths (:func:`rank_sources`, :func:`n_removed`,
@@ -101,8 +101,8 @@ def _source_counts(n_queries: int, n_sources: Tensor | None) -> Int[Tensor, "*ba
 def n_removed(
     rate: float, n_queries: int, n_sources: Int[Tensor, "*batch query_pos"] | None = None
 ) -> Int[Tensor, "*batch query_pos"]:
-    """Number of sources removed at each query: SPEC "at removal rate ``r``, remove ``ceil(r * (i+1))``
-    sources per query".
+    """Number of sources removed at each query (``docs/definitions.md`` §3.3): at removal rate ``r``, ``ceil(r * (i+1))``
+    sources per query.
 
     ``r * (i+1)`` is rounded to 9 decimals before the ceiling, so ``0.3 * 10`` counts 3. ``n_sources``
     (``[query_pos]`` or ``[batch, query_pos]``, e.g. an encoder's number of real keys, 0 at a padded query)

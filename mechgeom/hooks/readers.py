@@ -106,7 +106,7 @@ def modified_mask(
 ) -> Bool[Tensor, "batch head_index query_pos"]:
     """Where an earlier hook changed ``z``: ``True`` at ``(b, h, i)`` when ``z[i,h] != sum_j alpha[h,i,j] v[j,h]``.
 
-    SPEC.md §A, "After an intervention": head ``h`` is *modified* at query ``i`` when
+    ``docs/definitions.md`` §2.6, "After an intervention": head ``h`` is *modified* at query ``i`` when
     ``‖z[i,h] − sum_j alpha[h,i,j] v[j,h]‖ > rtol * (sum_j alpha[h,i,j] ‖v[j,h]‖ + ‖z[i,h]‖)``. The scale on the
     right bounds the rounding error of the sum itself, so the test is independent of the units of ``v`` and
     holds for near-zero outputs; ``rtol`` defaults to :data:`MODIFIED_RTOL` for the dtype (1e-4 in float32).

@@ -272,7 +272,7 @@ def _smollm2_config(hf_config: Any, dtype: torch.dtype) -> HookedTransformerConf
         rotary_base=c.rope_parameters["rope_theta"],
         final_rms=True,
         gated_mlp=True,
-        # SmolLM2's GGUF tokenizer adds no BOS: position 0 is the first text token (SPEC.md).
+        # SmolLM2's GGUF tokenizer adds no BOS: position 0 is the first text token (docs/definitions.md §1.5).
         tokenizer_prepends_bos=False,
         default_prepend_bos=_MODELS["smollm2-135m"].prepend_bos,
         dtype=dtype,
@@ -478,9 +478,8 @@ def linear_layout(model: Any) -> Any:
     every forward pass, which copies those matrices each time: three per layer and the ``[d_model, d_vocab]``
     unembedding. Laid out this way, ``W.T`` is contiguous already and nothing is copied; ``F.linear`` gets
     the same matrix in the same layout, so the outputs are bitwise the same. :func:`load_model` does this
-    for the models it loads with the hooked backend (measured on SmolLM2-135M at 1 x 256 tokens, 2 CPU
-    threads: a forward pass 405 -> 316 ms, one with the loss 550 -> 387 ms). TransformerLens 3.x only (4.x has
-    no ``HookedTransformer``; its bridge runs the HF modules).
+    for the models it loads with the hooked backend (the time it saves is in ``docs/benchmarks.md``).
+    TransformerLens 3.x only (4.x has no ``HookedTransformer``; its bridge runs the HF modules).
     """
     from transformer_lens.components import GatedMLP, Unembed
 

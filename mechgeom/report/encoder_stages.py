@@ -69,7 +69,7 @@ def _run_contributions(ctx: StageContext, p: dict[str, Any]) -> StageOutput:
         f"Contribution weights are negative for {s['negative_share']:.1%} of (query, source) pairs. "
         f"Layer {layer}'s heads for window 0 are shown below.",
     ]
-    out.notes = ["c[h,i,j] = <o[i,h], alpha vt[j,h]> / |o[i,h]|^2 over every key j (SPEC.md §A)."]
+    out.notes = ["c[h,i,j] = <o[i,h], alpha vt[j,h]> / |o[i,h]|^2 over every key j (docs/definitions.md §2)."]
     return out
 
 

@@ -62,7 +62,7 @@ def _run_contributions(ctx: StageContext, p: dict[str, Any]) -> StageOutput:
         f"{s['view_layer_tv']:.3f}); its heads for text 0 are shown below.",
     ]
     out.notes = [
-        "Queries i >= 1. c[h,i,j] = <o[i,h], alpha vt[j,h]> / |o[i,h]|^2 (SPEC.md §A); "
+        "Queries i >= 1. c[h,i,j] = <o[i,h], alpha vt[j,h]> / |o[i,h]|^2 (docs/definitions.md §2.1); "
         "contributions_layers.csv holds the inter-head (whole-layer) versions."
     ]
     return out

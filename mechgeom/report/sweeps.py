@@ -92,7 +92,7 @@ def add_arguments(sub: argparse._SubParsersAction) -> None:  # type: ignore[type
     _engine_arguments(pr)
     pr.add_argument("--n-texts", type=positive, default=16)
     pr.add_argument("--seq-len", type=seq_len, default=256)
-    pr.add_argument("--ablation", choices=["zero"], default="zero", help="head removal (SPEC default)")
+    pr.add_argument("--ablation", choices=["zero"], default="zero", help="head removal: z set to 0")
     pr.add_argument("--layers", type=layer_list, default=None, help="only these layers' heads: 0,5,29")
 
 

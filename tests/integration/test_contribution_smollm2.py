@@ -140,7 +140,7 @@ def test_collector_with_transformer_lens_patching_hooks(smollm2) -> None:
     with torch.no_grad(), smollm2.hooks(fwd_hooks=patches, reset_hooks_end=True):
         _, patched = smollm2.run_with_cache(corrupted, names_filter=lambda n: "attn.hook_" in n)
     ref = contribution_weights_from_cache(smollm2, patched, layers=layers, tokens=corrupted)
-    # the z patch of (2, 4) makes that head "modified" (SPEC §A) exactly where the clean z differs from the
+    # the z patch of (2, 4) makes that head "modified" (docs/definitions.md §2.6) exactly where the clean z differs from the
     # corrupted one, i.e. from the first differing token on; its per-source metrics are NaN there, on both paths
     first_diff = int((clean[0] != corrupted[0]).nonzero()[0])
     expected = torch.zeros_like(res.modified)
@@ -216,7 +216,7 @@ def test_bridge_backend_matches_hooked(smollm2_bridge, result, cache, tokens) ->
 
 @pytest.mark.parametrize("backend", ["hooked", "bridge"])
 def test_head_removal_keeps_the_layer_identities_on_both_backends(smollm2, smollm2_bridge, backend) -> None:
-    """The issue's reproducer: a head removed at hook_z before the readers (SPEC §A, after an intervention)."""
+    """The issue's reproducer: a head removed at hook_z before the readers (docs/definitions.md §2.6)."""
     model = smollm2 if backend == "hooked" else smollm2_bridge
     name = "blocks.2.attn.hook_z"
 

@@ -40,7 +40,7 @@ def test_smollm2_rate_one_silences_every_attention_layer(smollm2, smollm2_window
 
 
 def hand_mask(clean: torch.Tensor, num: int, den: int, mode: str) -> torch.Tensor:
-    """SPEC masking written out: per (head, query ``i``) rank sources ``j <= i`` by clean attention, largest first,
+    """The masking of docs/definitions.md §3 written out: per (head, query ``i``) rank sources ``j <= i`` by clean attention, largest first,
     ties to the lower position; remove ``ceil(num/den * (i+1))`` (integer ceiling) from the top
     (comprehensiveness) or the bottom (sufficiency). ``clean`` is ``[head, q, k]``; True = removed."""
     mask = torch.zeros(clean.shape, dtype=torch.bool)

@@ -44,7 +44,7 @@ def test_tokenisation_matches_huggingface(smollm2, smollm2_hf) -> None:
     _, tok = smollm2_hf
     for text in TEXTS:
         assert smollm2.to_tokens(text)[0].tolist() == tok(text).input_ids
-    # SmolLM2's GGUF tokenizer adds no BOS: position 0 is the first text token (SPEC.md).
+    # SmolLM2's GGUF tokenizer adds no BOS: position 0 is the first text token (docs/definitions.md §1.5).
     assert smollm2.to_str_tokens("Hello")[0] == "Hello"
 
 

@@ -229,7 +229,7 @@ def test_contributions_writes_each_format(
     assert set(df["layer"]) == {3, 7} and set(df["head"]) == {0, 4}
     assert len(df) == 2 * 2 * n * (n + 1) // 2
     sums = df.groupby(["layer", "head", "query"])["contribution"].sum()
-    assert ((sums - 1).abs() < 1e-4).all()  # SPEC: sum_j c[h,i,j] = 1, through the CLI and the file
+    assert ((sums - 1).abs() < 1e-4).all()  # sum_j c[h,i,j] = 1 (definitions §2.3), via the CLI and the file
     assert df.loc[df["query"] == 0, "key_token"].iloc[0] == "The"
 
 

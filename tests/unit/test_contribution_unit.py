@@ -1,4 +1,4 @@
-"""Contribution weights (SPEC.md §A) against the brute-force reference of ``tests/reference_contribution.py``
+"""Contribution weights (``docs/definitions.md`` §2) against the brute-force reference of ``tests/reference_contribution.py``
 (explicit ``[q, k, d_model]`` materialisation per head) on tiny random models, plus properties and composition."""
 
 from __future__ import annotations

@@ -111,7 +111,7 @@ def test_hooked_backend_on_transformer_lens_4_names_the_version(monkeypatch: pyt
 
 
 def test_each_offline_model_carries_its_bos_rule() -> None:
-    # SmolLM2's GGUF tokenizer adds no BOS; Gemma's starts every text with <bos> (SPEC.md).
+    # SmolLM2's GGUF tokenizer adds no BOS; Gemma's starts every text with <bos> (docs/definitions.md §1.5).
     assert decoders._MODELS["smollm2-135m"].prepend_bos is False
     assert decoders._MODELS["gemma-3-270m"].prepend_bos is True
     from types import SimpleNamespace

@@ -1,4 +1,4 @@
-"""Metrics after a ``hook_z`` intervention (SPEC.md §A, "After an intervention"), against a float64
+"""Metrics after a ``hook_z`` intervention (``docs/definitions.md`` §2.6), against a float64
 brute force written here from a plain ``run_with_cache`` of the patched pass.
 
 The reference never uses mechgeom's helpers: GQA is mapped by ``h // group``, the modified heads are the
@@ -137,7 +137,7 @@ def test_metrics_after_hook_z_intervention_match_brute_force(kind: int, n_kv: in
         row = res.intra[name][:, 0, HEAD]
         assert row[:, tril].isnan().all(), name
         assert (row[:, ~tril] == 0).all(), name
-    # the identities of SPEC §A hold again
+    # the identities of docs/definitions.md §2.6 hold again
     total = res.inter["contribution"][:, 0].sum(-1) + res.modified_share[:, 0].sum(1)
     torch.testing.assert_close(total, torch.ones_like(total), atol=1e-5, rtol=0)
     total_h = res.intra["head_share"][:, 0].sum((1, 3)) + res.modified_share[:, 0].sum(1)

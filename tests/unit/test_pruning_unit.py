@@ -41,7 +41,7 @@ from mechgeom.data import TaskItem
 from mechgeom.hooks import has_hooks
 from mechgeom.viz import plot_retention
 
-#: SPEC.md: Reset heads are removed first, then Mixers, Retrievers last.
+#: docs/definitions.md §7.3: Reset heads are removed first, then Mixers, Retrievers last.
 REGIMES = ("Reset", "Mixer", "Retriever")
 
 

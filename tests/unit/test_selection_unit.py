@@ -1,4 +1,4 @@
-"""Token-selection geometry (SPEC.md §B) against brute-force references built here."""
+"""Token-selection geometry (``docs/definitions.md`` §5) against brute-force references built here."""
 
 from __future__ import annotations
 

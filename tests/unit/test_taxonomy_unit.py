@@ -1,4 +1,4 @@
-"""Head taxonomy (SPEC.md §B) against hand-built patterns and brute-force loops."""
+"""Head taxonomy (``docs/definitions.md`` §6) against hand-built patterns and brute-force loops."""
 
 from __future__ import annotations
 

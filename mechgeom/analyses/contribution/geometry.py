@@ -1,4 +1,4 @@
-"""The per-layer kernels of SPEC.md §A: :class:`LayerGeometry` and its blocked sweep over queries.
+"""The per-layer kernels of ``docs/definitions.md`` §2: :class:`LayerGeometry` and its blocked sweep over queries.
 
 For one layer (batch ``b``, head ``h``, query ``i``, source ``j <= i``; every ``j`` on an encoder), with ``alpha = hook_pattern``,
 ``v = hook_v`` (GQA-expanded), ``z = hook_z`` and ``W_O`` from the model: projected value
@@ -278,7 +278,7 @@ class LayerGeometry:
             block[:, gh] = pairs
         return out.view(B, K, H, H)
 
-    # ---- the metrics of SPEC.md §A, one function each (the formula is in the block kernels below)
+    # ---- the metrics of docs/definitions.md §2.1, one function each (the formula is in the block kernels below)
     def attention(self) -> HeadScores:
         """Raw attention, intra-head: ``alpha[h,i,j]`` (0 at an encoder's padded queries too, see ``key_mask``)."""
         if self.key_mask is None:
@@ -462,7 +462,7 @@ class LayerGeometry:
         step = self.block_size or BLOCK_SIZE
         bs = min(step, Q)
         upper = torch.ones(bs, bs, dtype=torch.bool, device=alpha.device).triu_(1)  # key > query in a block
-        lower = (~upper).to(alpha.dtype)  # 1 where key <= query: a product zeroes the rest ~8x faster
+        lower = (~upper).to(alpha.dtype)  # 1 where key <= query: a product zeroes the rest (faster)
 
         for q0 in range(0, Q, step):
             q1 = min(q0 + step, Q)
@@ -522,7 +522,7 @@ def _inter_key(name: str) -> str:
     return "contribution_inter" if name == "contribution" else f"{name}_inter"
 
 
-# ---- the formulas of SPEC.md §A on one block of queries (views, ``out=`` a view of the result)
+# ---- the formulas of docs/definitions.md §2.1 on one block of queries (views, ``out=`` a view of the result)
 
 
 def _value_weighted(alpha: Tensor, vt_norm: Tensor, out: Tensor | None) -> Tensor:

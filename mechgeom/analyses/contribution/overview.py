@@ -1,4 +1,4 @@
-"""Headline statistics of contribution weights streamed over a corpus (SPEC.md §A, paper A).
+"""Headline statistics of contribution weights streamed over a corpus (``docs/definitions.md`` §2.7, paper A).
 
 :func:`contribution_overview` runs :class:`~mechgeom.analyses.contribution.ContributionCollector` batch by
 batch and reduces each layer at once to the ``(sum, count)`` pairs of

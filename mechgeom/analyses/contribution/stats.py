@@ -1,4 +1,4 @@
-"""Headline statistics of contribution weights (SPEC.md §A): how much of each head's weight the sink gets
+"""Headline statistics of contribution weights (``docs/definitions.md`` §2.7): how much of each head's weight the sink gets
 under attention and under contribution, how often contribution is negative, how often attention and
 contribution pick the same top source, and how far apart the two are (total variation).
 

@@ -1,4 +1,4 @@
-"""Contribution weights and their baselines (SPEC.md §A, paper A).
+"""Contribution weights and their baselines (``docs/definitions.md`` §2, paper A).
 
 For one layer (batch ``b``, head ``h``, query ``i``, source ``j <= i``), with ``alpha = hook_pattern``,
 ``v = hook_v`` (GQA-expanded), ``z = hook_z`` and ``W_O`` from the model:
@@ -20,7 +20,7 @@ Where a projected value is zero its cosine factor is 0 (then ``alpha * ratio * c
 **Basis.** Geometry is measured on the model as loaded (see :mod:`mechgeom.models`); ``b_O`` is
 excluded from ``o``, so ``sum_j c[h,i,j] = 1`` and ``sum_j c[i,j] = 1`` exactly.
 
-**After an intervention** (SPEC.md §A). The metrics describe the output the model actually produced,
+**After an intervention** (``docs/definitions.md`` §2.6). The metrics describe the output the model actually produced,
 ``o[i,h] = z[i,h] @ W_O[h]`` with ``z`` as it reached ``W_O``. Where an earlier hook changed ``hook_z``
 (head removal, mean ablation, patching from another run), ``z[i,h]`` is no longer ``sum_j alpha v_j``; the
 reader marks that head and query as *modified* (:func:`mechgeom.hooks.modified_mask`). Then:

@@ -1,7 +1,7 @@
-"""Causal faithfulness of attribution metrics: masking sources on ``hook_pattern`` (SPEC.md §A, paper A).
+"""Causal faithfulness of attribution metrics: masking sources on ``hook_pattern`` (``docs/definitions.md`` §3, paper A).
 
-SPEC: "Removing source ``j`` from query ``i`` = setting ``alpha[h,i,j] = 0`` **without renormalising**
-(this deletes ``alpha vt`` from ``o[i]``), as a hook on ``hook_pattern``." The sources of each query are
+``docs/definitions.md`` §3.1: removing source ``j`` from query ``i`` = setting ``alpha[h,i,j] = 0`` **without renormalising**
+(this deletes ``alpha vt`` from ``o[i]``), as a hook on ``hook_pattern``. The sources of each query are
 ranked from a clean pass by a metric of :mod:`mechgeom.analyses.contribution.weights` or at random
 (:mod:`mechgeom.analyses.faithfulness.rankings` fixes the ranking conventions: clean ranking and no re-ranking, ties,
 NaN, the seeded random control); at removal rate ``r``, ``ceil(r * (i+1))`` sources of query ``i`` are
@@ -54,7 +54,7 @@ __all__ = [
     "task_accuracy_curves",
 ]
 
-#: SPEC's rates ``0, 0.1, ..., 0.9``.
+#: The default rates ``0, 0.1, ..., 0.9`` (``docs/definitions.md`` §3.3).
 DEFAULT_RATES = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
 
 _CLEAN = "clean"
@@ -272,7 +272,7 @@ def perplexity_curves(
     """ΔPPL of next-token prediction when each metric's top (comprehensiveness) or bottom (sufficiency)
     ``ceil(rate * (i+1))`` sources per query are removed at ``layers`` (default: all at once).
 
-    SPEC: "ΔPPL = PPL(masked) − PPL(clean) of next-token prediction on the text; also report ΔNLL."
+    ``docs/definitions.md`` §3.4: ΔPPL = PPL(masked) − PPL(clean) of next-token prediction on the text, and ΔNLL.
     PPL is ``exp`` of the mean over texts of each text's mean next-token NLL (equal-length windows, as
     :func:`mechgeom.analyses.scoring.perplexity`); ``ci_low``/``ci_high`` are a 95% percentile bootstrap over
     texts of ΔPPL (:func:`mechgeom.analyses.scoring.bootstrap_ci`, ``n_boot`` resamples, ``seed``).
@@ -432,8 +432,8 @@ def task_accuracy_curves(
 ) -> pd.DataFrame:
     """Accuracy on multiple-choice items (:func:`mechgeom.data.load_task`) under the same masking.
 
-    SPEC: "accuracy change on multiple-choice / yes-no items (BoolQ, Winogrande, MMLU), each choice scored
-    by its log-likelihood under the same masking." Each choice's score is the summed log-likelihood of its
+    ``docs/definitions.md`` §3.5: the accuracy change on multiple-choice / yes-no items (BoolQ, Winogrande, MMLU), each choice scored
+    by its log-likelihood under the same masking. Each choice's score is the summed log-likelihood of its
     tokens given the prompt (prompt and choice tokenised separately, the model's BOS default), with the
     masking hooks at every position; the ranking comes from the clean pass of that prompt+choice sequence.
     The prediction is the highest-scoring choice (ties: the first); ``accuracy`` is the share of items

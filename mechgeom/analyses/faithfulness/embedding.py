@@ -1,4 +1,4 @@
-"""Faithfulness without a language-model head: paper A's source masking on an encoder (SPEC.md §A, adapted).
+"""Faithfulness without a language-model head: paper A's source masking on an encoder (``docs/definitions.md`` §3.6).
 
 A decoder's faithfulness is ΔPPL of next-token prediction (:mod:`mechgeom.analyses.faithfulness.curves`); an
 encoder (BERT-style, bidirectional attention, e.g. ``"minilm-l6"``) predicts no next token. Its outcome is

@@ -1,4 +1,4 @@
-"""Rankings for paper A's faithfulness test (SPEC.md §A): of the sources of each query, from a clean pass,
+"""Rankings for paper A's faithfulness test (``docs/definitions.md`` §3.2): of the sources of each query, from a clean pass,
 and of the metrics, from the curves of :mod:`mechgeom.analyses.faithfulness.curves`.
 
 **Source rankings.** The sources of each query are ranked by a metric of

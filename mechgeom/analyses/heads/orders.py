@@ -1,4 +1,4 @@
-"""Head orders for pruning (SPEC.md §B "Head pruning") and the robust outlier flag of the critical heads.
+"""Head orders for pruning (``docs/definitions.md`` §7.3–7.6) and the robust outlier flag of the critical heads.
 
 **Orders** (lists of ``(layer, head)``, the first removed first; ties broken by ascending ``(layer, head)``):
 

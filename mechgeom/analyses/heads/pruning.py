@@ -1,7 +1,7 @@
-"""Head pruning (SPEC.md "Head pruning", paper B): the single-head sweep, retention curves, critical heads.
+"""Head pruning (``docs/definitions.md`` §7, paper B): the single-head sweep, retention curves, critical heads.
 
 **Removing a head.** Head ``(l, h)`` is removed by a hook on ``blocks.{l}.attn.hook_z`` that replaces
-``z[:, :, h]`` by zeros (``mode="zero"``, the SPEC default) or by a reference mean (``mode="mean"``). Because
+``z[:, :, h]`` by zeros (``mode="zero"``, the default, §7.1) or by a reference mean (``mode="mean"``). Because
 ``hook_attn_out = sum_h z[:, :, h] @ W_O[h] + b_O``, zeroing ``z`` deletes the head's output ``z @ W_O[h]``
 and keeps ``b_O``. :func:`head_ablation_hooks` returns ordinary ``(hook_name, fn)`` pairs, one per layer
 touched, so they compose with other hooks and with ``transformer_lens.patching``.

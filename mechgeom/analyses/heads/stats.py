@@ -1,4 +1,4 @@
-"""Per-head reference statistics for pruning (SPEC.md §B "Head pruning"): output norm, entropy, weight magnitude.
+"""Per-head reference statistics for pruning (``docs/definitions.md`` §7.2): output norm, entropy, weight magnitude.
 
 **Reference statistics** (:func:`head_stats`, one forward pass per batch of reference windows, no
 unembedding). For every layer and head, averaged over *every window of the reference tokens and every

@@ -1,4 +1,4 @@
-"""Parameter-free head taxonomy (SPEC.md §B "Head taxonomy", paper B): Retriever, Mixer, Reset.
+"""Parameter-free head taxonomy (``docs/definitions.md`` §6, paper B): Retriever, Mixer, Reset.
 
 For each head and query ``i``, the *source winner* is ``w_i = argmax_{j<=i} alpha[h,i,j] * ‖v[j,h]‖``
 (value space, GQA-expanded ``v``). Over the queries ``i > max(sink_positions)`` (``i >= 1`` with the

@@ -1,4 +1,4 @@
-"""Certificates and the sink-aware lower bound on ``F_N`` (SPEC.md §B), with their tie tolerances.
+"""Certificates and the sink-aware lower bound on ``F_N`` (``docs/definitions.md`` §5.3, §5.4), with their tie tolerances.
 
 ``F_N`` (:func:`mechgeom.analyses.selection.geometry.extreme_f_score`) is bounded from below twice:
 
@@ -57,7 +57,7 @@ def inversion_certificate(
 ) -> tuple[Float[Tensor, "*rows"], Int[Tensor, "*rows"], Int[Tensor, "*rows"]]:
     """Inversion certificate ``F_N >= max(2N/(2N+m), 2q/(N+q))``; returns ``(certificate, m, q)``.
 
-    SPEC.md §B: ``m = #{k ∉ I_N : d_k <= max_{j∈I_N} d_j}``, ``q = #{j ∈ I_N : d_j < min_{k∉I_N} d_k}``.
+    ``docs/definitions.md`` §5.3: ``m = #{k ∉ I_N : d_k <= max_{j∈I_N} d_j}``, ``q = #{j ∈ I_N : d_j < min_{k∉I_N} d_k}``.
     (The radius ``max_{I_N} d`` catches all ``N`` members and ``m`` others; a radius just below
     ``min_{k∉I_N} d_k`` catches ``q`` members and nothing else.) Rows with ``N = 0`` are NaN.
 
@@ -316,7 +316,7 @@ def sink_aware_bound(
 def bound_vs_measured(frame: pd.DataFrame, params: pd.DataFrame) -> pd.DataFrame:
     """Measured ``F_N`` vs the guaranteed bound and the constant-norm prediction, per ``N``.
 
-    SPEC.md §B: "report predicted vs measured ``F_N``". ``frame`` is
+    ``docs/definitions.md`` §5.4: the bound predicted against the ``F_N`` measured. ``frame`` is
     :meth:`mechgeom.analyses.selection.SelectionResult.to_frame`, ``params`` its ``params_frame()``. Two
     scopes, ``"all heads"`` and ``"regime heads"`` (``params.regime``); per ``N`` the means of ``f_top``
     (``measured``), ``bound`` and ``bound_ideal`` weighted by each row's ``n_queries`` (NaN without a

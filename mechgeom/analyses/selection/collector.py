@@ -1,4 +1,4 @@
-"""Geometry of token selection (SPEC.md §B, paper B): extreme F-scores, certificates, sink-aware bound.
+"""Geometry of token selection (``docs/definitions.md`` §5, paper B): extreme F-scores, certificates, sink-aware bound.
 
 For one layer, head ``h`` and query ``i`` the contributions are ``y_j = alpha[h,i,j] * v[j,h]`` (value
 space, GQA-expanded ``v``; ``projected=True`` uses ``vt[j,h] = v[j,h] @ W_O[h]``). ``I_N`` holds the

@@ -1,4 +1,4 @@
-"""Geometry of token selection (SPEC.md §B): candidate sets, rankings, distances and the extreme F-score.
+"""Geometry of token selection (``docs/definitions.md`` §5): candidate sets, rankings, distances and the extreme F-score.
 
 For one head and query ``i`` the contributions are ``y_j = alpha[h,i,j] * v[j,h]`` (value space,
 GQA-expanded ``v``; with the metric ``G_h = W_O[h] W_O[h]ᵀ``, the projected ``vt[j,h] = v[j,h] @ W_O[h]``).
@@ -170,7 +170,7 @@ def extreme_f_score(
 ) -> Float[Tensor, "*rows"]:
     """Extreme F-score ``F_N = max_r 2PR/(P+R)`` of the ball classifier ``B(r) = {j : d_j <= r}``.
 
-    SPEC.md §B: precision ``P(r) = |I_N ∩ B(r)| / |B(r)|``, recall ``R(r) = |I_N ∩ B(r)| / N``, and
+    ``docs/definitions.md`` §5.2: precision ``P(r) = |I_N ∩ B(r)| / |B(r)|``, recall ``R(r) = |I_N ∩ B(r)| / N``, and
     ``2PR/(P+R) = 2|I_N ∩ B(r)| / (N + |B(r)|)``. Exact: the ``d_j`` of the valid sources are sorted and
     every radius equal to a distance is tried; a radius includes all equal distances, so only the end
     of each tie group counts. An empty ball (or no member inside) scores 0. ``N = |I_N ∩ valid|``;
@@ -218,7 +218,7 @@ def precision_recall_curve(
 def sink_effect(per_query: Mapping[str, Tensor], ns: Sequence[int]) -> pd.DataFrame:
     """Per ``N``: ``F_N`` with the sink in ``I_N`` vs the same computation without the sink positions.
 
-    SPEC.md §B: "``F_N`` when the sink is in ``I_N`` vs the same computation with position 0 excluded".
+    ``docs/definitions.md`` §5.6: ``F_N`` when the sink is in ``I_N`` vs the same computation with position 0 excluded.
     ``per_query`` holds ``f_top``, ``f_nosink`` and ``sink_in_top`` (``[..., n_N]``, as
     :attr:`mechgeom.analyses.selection.SelectionResult.per_query`); the pairs are the entries (text,
     layer, head, query) whose ``I_N`` holds a sink and where both scores are defined. Columns: ``N``,

@@ -1,9 +1,9 @@
-"""Sink-value ablation with a random-position control (SPEC.md "Sinks", **sink-norm ablation**; paper B).
+"""Sink-value ablation with a random-position control (``docs/definitions.md`` §4.6; paper A).
 
-SPEC.md: "set the sink's value to zero (or rescale it to the mean non-sink norm) via ``hook_v`` in chosen
+``docs/definitions.md`` §4.6: set the sink's value to zero (or rescale it to the mean non-sink norm) via ``hook_v`` in chosen
 heads/layers. Report the change in head-output norm, in ``cos(o[i,h], mu_h)`` with ``mu_h`` the mean
 direction of the non-sink projected values (the "semantic cone"), and ΔPPL; control: the same ablation at a
-random non-sink position."
+random non-sink position.
 
 The ablation is the hook factory :func:`mechgeom.hooks.sink_value_hooks`; :func:`sink_ablation` runs it
 (clean, sink and control passes) and measures next-token NLL, head-output norms and cone cosines

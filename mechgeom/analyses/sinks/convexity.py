@@ -1,9 +1,9 @@
-"""The convexity of a head's output norm in its sink mass (SPEC.md "Sinks", **convexity**; paper A §3.3).
+"""The convexity of a head's output norm in its sink mass (``docs/definitions.md`` §4.5; paper A §3.3).
 
-SPEC.md: "``o(s) = s vt[0] + (1-s) m[i]`` for sink rate ``s``; ``‖o(s)‖²`` is a convex quadratic with
+``docs/definitions.md`` §4.5: ``o(s) = s vt[0] + (1-s) m[i]`` for sink rate ``s``; ``‖o(s)‖²`` is a convex quadratic with
 minimiser ``s* = (‖m‖² − <vt0,m>) / (‖vt0‖² − 2<vt0,m> + ‖m‖²)``, interior when the sink opposes ``m``. [...]
 The same curve measured by an intervention on ``hook_pattern`` (sink mass set to ``s``, the rest rescaled
-to ``1-s``) must match the closed form."
+to ``1-s``) must match the closed form.
 
 With a sink set ``S`` the sink vector is ``vt_S[i] = sum_{s in S} alpha[h,i,s] vt[s,h] / sum_{s in S}
 alpha[h,i,s]`` (``vt[0,h]`` for the default sink) and ``m[i,h]`` the non-sink mean (see

@@ -1,4 +1,4 @@
-"""Sinks on an encoder (SPEC.md "Sinks", for a bidirectional model; Kobayashi et al. 2020 on BERT).
+"""Sinks on an encoder (``docs/definitions.md`` §4.7, for a bidirectional model; Kobayashi et al. 2020 on BERT).
 
 An encoder has no position-0 sink by construction: its candidate sinks are special tokens, ``[CLS]`` at the
 start and ``[SEP]`` at the end of each text, whose position depends on the text's length. Here

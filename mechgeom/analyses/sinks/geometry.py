@@ -1,4 +1,4 @@
-"""The sink statistics of one layer and their collector (SPEC.md "Sinks"): the formulas, :class:`SinkCollector`
+"""The sink statistics of one layer and their collector (``docs/definitions.md`` §4): the formulas, :class:`SinkCollector`
 and :class:`SinkResult`. The runs (:func:`~mechgeom.analyses.sinks.sink_statistics`, also on an encoder) and
 the head choices are :mod:`mechgeom.analyses.sinks.statistics`, which re-exports everything here; the conventions (sink
 set, queries ``Q``, short sequences, basis) are in its docstring.
@@ -53,7 +53,7 @@ GROUPS = ("sink", "tail")
 _MOMENTS = ("n", "x_alpha", "x_ratio", "x_cos", "L", "x_alpha_L", "x_ratio_L", "x_cos_L", "L_L")
 
 
-# =========================================================================== SPEC formulas
+# ============================================================ the formulas of docs/definitions.md §4
 
 
 def sink_rate(

@@ -1,4 +1,4 @@
-"""Attention sinks as active suppressors (SPEC.md "Sinks"; paper A §3.2–3.3, paper B's sink geometry).
+"""Attention sinks as active suppressors (``docs/definitions.md`` §4; paper A §3.2–3.3, paper B's sink geometry).
 
 One layer, batch ``b``, head ``h``, query ``i``, source ``j <= i``; ``alpha = hook_pattern``,
 ``v = hook_v`` (GQA-expanded), ``vt[j,h] = v[j,h] @ W_O[h]``, ``o[i,h] = z[i,h] @ W_O[h]`` (no ``b_O``).
@@ -18,7 +18,7 @@ non-sink. With more than one sink:
   where ``alpha[h,i,0]`` rounds to 1.
 
 **Queries.** Query statistics use ``Q = {i : i > max(S)}``, the queries that see every sink and at
-least one non-sink (``i >= 1`` for the default sink, as in SPEC.md). Per-query tensors are NaN for
+least one non-sink (``i >= 1`` for the default sink, as in ``docs/definitions.md`` §1.5). Per-query tensors are NaN for
 queries outside ``Q``.
 
 **Short sequences.** A sequence of length 1 (or any sequence with ``max(S) = pos - 1``) has no query

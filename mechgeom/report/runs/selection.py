@@ -1,4 +1,4 @@
-"""Token-selection geometry and the Retriever/Mixer/Reset taxonomy (SPEC.md §B) on WikiText-2 windows.
+"""Token-selection geometry and the Retriever/Mixer/Reset taxonomy (``docs/definitions.md`` §5, §6) on WikiText-2 windows.
 
 Writes under ``<out>/<model>/``:
 
