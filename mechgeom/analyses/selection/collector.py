@@ -51,6 +51,7 @@ from mechgeom._deprecation import warn_deprecated
 from mechgeom._progress import progress
 from mechgeom.analyses.base import Collector, Result, run_collector
 from mechgeom.analyses.selection.bounds import (
+    BoundParams,
     bound_vs_measured,
     fit_bound_params,
     inversion_certificate,
@@ -113,6 +114,60 @@ def _query_positions(n_pos: int, query_stride: int) -> list[int]:
     if isinstance(query_stride, bool) or int(query_stride) != query_stride or query_stride < 1:
         raise ValueError(f"query_stride must be a positive integer, got {query_stride}")
     return list(range(n_pos - 1, -1, -int(query_stride)))[::-1]
+
+
+@dataclass
+class _Ranks:
+    """The rankings of one chunk of rows that every ``N`` reads: top-``N`` by attention, the same without the
+    sinks, and the random draws; the candidate sources with and without the sinks."""
+
+    top: Tensor
+    no_sink: Tensor
+    random: list[Tensor]
+    cand: Tensor
+    cand_ns: Tensor
+    sinks: list[int]
+    sink_mask: Tensor
+
+
+def _selection_at_n(
+    pat: Tensor,
+    val: Tensor,
+    ranks: _Ranks,
+    n: int,
+    params: BoundParams | None,
+    *,
+    metric: Tensor | None,
+    dtype: torch.dtype,
+) -> dict[str, Tensor]:
+    """Every per-query quantity of one ``N`` for one chunk of rows (before the undefined rows are set to NaN)."""
+    cand, cand_ns = ranks.cand, ranks.cand_ns
+    mem = (ranks.top < n) & cand
+    d = selection_distances(pat, val, mem, metric=metric, dtype=dtype, squared=True)
+    f = extreme_f_score(d, mem, cand)
+    cert, m, q = inversion_certificate(d, mem, cand)
+    res: dict[str, Tensor] = {
+        "f_top": f,
+        "certificate": cert,
+        "m_inv": m.to(dtype),
+        "q_inv": q.to(dtype),
+        "sink_in_top": mem[..., ranks.sinks].any(-1).to(dtype),
+    }
+    if params is not None:
+        res["bound"] = sink_aware_bound(pat, mem, cand, ranks.sink_mask, params, dtype=dtype)[0]
+        ideal = params.constant_norm()
+        res["bound_ideal"] = sink_aware_bound(pat, mem, cand, ranks.sink_mask, ideal, dtype=dtype)[0]
+    if ranks.random:
+        acc = torch.zeros_like(f)
+        for rr in ranks.random:
+            mem_r = (rr < n) & cand
+            d_r = selection_distances(pat, val, mem_r, metric=metric, dtype=dtype, squared=True)
+            acc += extreme_f_score(d_r, mem_r, cand)
+        res["f_random"] = acc / len(ranks.random)
+    mem_ns = (ranks.no_sink < n) & cand_ns
+    d_ns = selection_distances(pat, val, mem_ns, metric=metric, dtype=dtype, squared=True)
+    res["f_nosink"] = extreme_f_score(d_ns, mem_ns, cand_ns)
+    return res
 
 
 def layer_selection(
@@ -188,32 +243,9 @@ def layer_selection(
         r_rand = [random_ranks(pat.shape, cand, gen, device) for _ in range(n_random)]
         for t, n in enumerate(progress(ns, desc="N", enabled=verbose)):
             undefined = (n_src < n)[None, None, :]
-            mem = (r_top < n) & cand
-            d = selection_distances(pat, val, mem, metric=metric, dtype=dtype, squared=True)
-            f = extreme_f_score(d, mem, cand)
-            cert, m, q = inversion_certificate(d, mem, cand)
-            res: dict[str, Tensor] = {
-                "f_top": f,
-                "certificate": cert,
-                "m_inv": m.to(dtype),
-                "q_inv": q.to(dtype),
-                "sink_in_top": mem[..., sinks].any(-1).to(dtype),
-            }
-            if params is not None:
-                res["bound"] = sink_aware_bound(pat, mem, cand, sink_mask, params, dtype=dtype)[0]
-                ideal = params.constant_norm()
-                res["bound_ideal"] = sink_aware_bound(pat, mem, cand, sink_mask, ideal, dtype=dtype)[0]
-            if r_rand:
-                acc = torch.zeros_like(f)
-                for rr in r_rand:
-                    mem_r = (rr < n) & cand
-                    d_r = selection_distances(pat, val, mem_r, metric=metric, dtype=dtype, squared=True)
-                    acc += extreme_f_score(d_r, mem_r, cand)
-                res["f_random"] = acc / len(r_rand)
-            mem_ns = (r_ns < n) & cand_ns
-            d_ns = selection_distances(pat, val, mem_ns, metric=metric, dtype=dtype, squared=True)
-            f_ns = extreme_f_score(d_ns, mem_ns, cand_ns)
-            res["f_nosink"] = torch.where((n_src_ns < n)[None, None, :], nan, f_ns)
+            ranks = _Ranks(r_top, r_ns, r_rand, cand, cand_ns, sinks, sink_mask)
+            res = _selection_at_n(pat, val, ranks, n, params, metric=metric, dtype=dtype)
+            res["f_nosink"] = torch.where((n_src_ns < n)[None, None, :], nan, res["f_nosink"])
             for name, val_t in res.items():
                 out[name][sl, ..., t] = torch.where(undefined, nan, val_t).float().cpu()
     par = {} if params is None else {name: t.float().cpu() for name, t in params.as_dict().items()}
