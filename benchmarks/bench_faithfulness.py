@@ -46,7 +46,7 @@ def main() -> None:
     rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
     t0 = time.perf_counter()
-    rankings = source_rankings(model, tokens, FAITHFULNESS_METRICS)
+    rankings = source_rankings(model, tokens, metrics=FAITHFULNESS_METRICS)
     t_rank = time.perf_counter() - t0
     rank_mb = sum(r.nbytes for r in rankings.values()) / 2**20
     ranking = rankings[args.metric]

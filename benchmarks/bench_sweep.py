@@ -39,7 +39,7 @@ RATES = (0.3, 0.6)
 def _sweep(model, tokens, batch_size, executor=None):
     t0 = time.perf_counter()
     frame = perplexity_curves(
-        model, tokens, METRICS, RATES, batch_size=batch_size, n_boot=10, executor=executor
+        model, tokens, metrics=METRICS, rates=RATES, batch_size=batch_size, n_boot=10, executor=executor
     )
     return frame, time.perf_counter() - t0
 

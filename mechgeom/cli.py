@@ -21,6 +21,11 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from mechgeom import __version__
+from mechgeom.report import sweeps
+from mechgeom.report.options import CORPORA, MODELS, PRESETS, non_negative, positive, seq_len
+from mechgeom.report.runs import RUNS, run_module
+
 __all__ = ["build_parser", "main"]
 
 logger = logging.getLogger("mechgeom")
@@ -28,38 +33,7 @@ logger = logging.getLogger("mechgeom")
 _TABLE_SUFFIXES = (".csv", ".parquet", ".html")
 
 
-def _non_negative(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {value}")
-    return value
-
-
-def build_parser() -> argparse.ArgumentParser:
-    """The argument parser of ``mechgeom`` (one sub-command per verb)."""
-    from mechgeom import __version__
-    from mechgeom.data import CORPORA
-    from mechgeom.models import list_models
-    from mechgeom.report import PRESETS
-    from mechgeom.report.options import positive, seq_len
-
-    models = list_models()
-
-    parser = argparse.ArgumentParser(
-        prog="mechgeom",
-        description="Geometry-aware attention analysis on TransformerLens (offline models and data).",
-    )
-    parser.add_argument("--version", action="version", version=f"mechgeom {__version__}")
-    parser.add_argument(
-        "-v", "--verbose", action="store_true", help="debug logging (tracebacks of failed stages)"
-    )
-    verbs = parser.add_subparsers(
-        dest="verb", required=True, metavar="{report,contributions,run,sweep,models}"
-    )
-
+def _report_parser(verbs: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     q, d = PRESETS["quick"], PRESETS["default"]
     rep = verbs.add_parser(
         "report",
@@ -71,7 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
         ),
     )
     rep.add_argument(
-        "--model", default="smollm2-135m", choices=models, help="offline model (default smollm2-135m)"
+        "--model", default="smollm2-135m", choices=MODELS, help="offline model (default smollm2-135m)"
     )
     rep.add_argument(
         "--corpus", default="wikitext2", choices=CORPORA, help="text corpus (default: wikitext2)"
@@ -92,12 +66,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--out", type=Path, default=Path("out/report"), help="output directory (default out/report)"
     )
     rep.add_argument("--device", default="cpu", help="torch device (default cpu)")
-    rep.add_argument("--seed", type=_non_negative, default=0, help="window sampling seed (default 0)")
+    rep.add_argument("--seed", type=non_negative, default=0, help="window sampling seed (default 0)")
     rep.add_argument("--quick", action="store_true", help="small sizes: a smoke run in about a minute")
     rep.add_argument(
         "--no-progress", action="store_true", help="no progress bars (stage lines are still logged)"
     )
 
+
+def _contributions_parser(verbs: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     con = verbs.add_parser(
         "contributions",
         help="contribution weights of one text as CSV, Parquet or HTML",
@@ -112,14 +88,14 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--file", type=Path, help="a UTF-8 text file to analyse")
     con.add_argument("--out", type=Path, required=True, help="output file: .csv, .parquet or .html")
     con.add_argument(
-        "--model", default="smollm2-135m", choices=models, help="offline model (default smollm2-135m)"
+        "--model", default="smollm2-135m", choices=MODELS, help="offline model (default smollm2-135m)"
     )
-    con.add_argument("--layer", type=_non_negative, nargs="+", default=None, help="layer(s) (default: all)")
-    con.add_argument("--head", type=_non_negative, nargs="+", default=None, help="head(s) (default: all)")
+    con.add_argument("--layer", type=non_negative, nargs="+", default=None, help="layer(s) (default: all)")
+    con.add_argument("--head", type=non_negative, nargs="+", default=None, help="head(s) (default: all)")
     con.add_argument("--device", default="cpu", help="torch device (default cpu)")
 
-    from mechgeom.report.runs import RUNS, run_module
 
+def _run_parser(verbs: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     run = verbs.add_parser(
         "run",
         help="one full analysis on one model, written under results/<analysis>/<model>/",
@@ -136,8 +112,8 @@ def build_parser() -> argparse.ArgumentParser:
         )
         module.add_arguments(sub)
 
-    from mechgeom.report import sweeps
 
+def _sweep_parser(verbs: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     sw = verbs.add_parser(
         "sweep",
         help="a resumable sweep (faithfulness, tasks, pruning) on this process or on Ray actors",
@@ -148,6 +124,25 @@ def build_parser() -> argparse.ArgumentParser:
         sw.add_subparsers(dest="sweep", required=True, metavar="{" + ",".join(sweeps.SWEEPS) + "}")
     )
 
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of ``mechgeom`` (one sub-command per verb). It imports only the light modules
+    of the command line (:mod:`mechgeom.report.options`, the verbs' option definitions): no torch."""
+    parser = argparse.ArgumentParser(
+        prog="mechgeom",
+        description="Geometry-aware attention analysis on TransformerLens (offline models and data).",
+    )
+    parser.add_argument("--version", action="version", version=f"mechgeom {__version__}")
+    parser.add_argument(
+        "-v", "--verbose", action="store_true", help="debug logging (tracebacks of failed stages)"
+    )
+    verbs = parser.add_subparsers(
+        dest="verb", required=True, metavar="{report,contributions,run,sweep,models}"
+    )
+    _report_parser(verbs)
+    _contributions_parser(verbs)
+    _run_parser(verbs)
+    _sweep_parser(verbs)
     verbs.add_parser(
         "models", help="list the offline models", description="List the offline models, one per line."
     )
@@ -165,15 +160,15 @@ def _setup_logging(verbose: bool) -> logging.Handler:
 
 
 def _cmd_models(args: argparse.Namespace) -> int:
-    from mechgeom.models import list_models
-
-    for name in list_models():
+    for (
+        name
+    ) in MODELS:  # mechgeom.models.list_models(), without importing torch (a test checks the two agree)
         print(name)
     return 0
 
 
 def _cmd_report(args: argparse.Namespace) -> int:
-    from mechgeom.report import build_report
+    from mechgeom.report.build import build_report
 
     result = build_report(
         args.out,
@@ -211,7 +206,7 @@ def _cmd_contributions(args: argparse.Namespace) -> int:
     result = contribution_weights(model, text, layers=layers)
     suffix = args.out.suffix.lower()
     if suffix == ".html":
-        from mechgeom.report import contributions_html
+        from mechgeom.report.html import contributions_html
 
         contributions_html(result, args.out, heads=heads)
     else:
@@ -223,14 +218,10 @@ def _cmd_contributions(args: argparse.Namespace) -> int:
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    from mechgeom.report.runs import run_module
-
     return int(run_module(args.analysis).run(args))
 
 
 def _cmd_sweep(args: argparse.Namespace) -> int:
-    from mechgeom.report import sweeps
-
     print(sweeps.run(args))
     return 0
 

@@ -37,3 +37,11 @@ def items(n_rows: int, per_item: int = 1, per_batch: int = 2) -> list[Item]:
         rows = tuple(range(s, min(s + per_item, n_rows)))
         out.append(Item(key=(k,), rows=tuple((r,) for r in rows), batch=k // per_batch, data=rows))
     return out
+
+
+def encoder_input() -> tuple[torch.Tensor, torch.Tensor]:
+    """Five texts of ids for a tiny encoder, two of them padded: ``(tokens, mask)``, mask 1 = real token."""
+    mask = torch.ones(5, 8, dtype=torch.long)
+    mask[1, 5:], mask[3, 6:] = 0, 0
+    tokens = torch.randint(0, 50, (5, 8), generator=torch.Generator().manual_seed(2))
+    return tokens, mask

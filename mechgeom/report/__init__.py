@@ -17,48 +17,78 @@ A stage whose analysis module is not installed is shown as "not available" and s
 raises is shown as failed (the other stages still run) and is recomputed on the next run. Every file goes
 through :mod:`mechgeom._io`'s atomic writes, so an interruption never leaves a half-written file.
 
-The package only composes: the numbers come from the analyses and their ``summary()``; the figures from
-:mod:`mechgeom.viz`. Modules: :mod:`~mechgeom.report.base` (settings, stages, records),
-:mod:`~mechgeom.report.html` (the page), :mod:`~mechgeom.report.stages` (the six stages),
-:mod:`~mechgeom.report.build` (the driver on :mod:`mechgeom.sweep`) and :mod:`mechgeom.report.runs` (the
-``mechgeom run <analysis>`` verbs).
+The package only composes: each analysis has one driver (:mod:`mechgeom.report.drivers`) that the report's
+stage, ``mechgeom run <analysis>`` (:mod:`mechgeom.report.runs`) and ``mechgeom sweep``
+(:mod:`mechgeom.report.sweeps`) all call; the numbers come from the analyses and their ``summary()``, the
+figures from :mod:`mechgeom.viz`. Modules: :mod:`~mechgeom.report.options` (the command line's vocabulary),
+:mod:`~mechgeom.report.base` (settings, stages, records), :mod:`~mechgeom.report.html` (the page),
+:mod:`~mechgeom.report.stages` and :mod:`~mechgeom.report.encoder_stages` (the stages),
+:mod:`~mechgeom.report.build` (the driver on :mod:`mechgeom.sweep`).
+
+Names are imported on first use, so ``import mechgeom.report.options`` (the command line) stays light.
 """
 
 from __future__ import annotations
 
-from mechgeom.report import build
-from mechgeom.report.base import (
-    PRESETS,
-    ReportResult,
-    ReportSettings,
-    Stage,
-    StageContext,
-    StageOutput,
-    StageRecord,
-)
-from mechgeom.report.build import build_report, stage_store
-from mechgeom.report.html import (
-    contributions_html,
-    figure_png,
-    html_document,
-)
-from mechgeom.report.stages import STAGES, faithfulness_order, spread_layers
+import importlib
+from typing import TYPE_CHECKING, Any
 
-__all__ = [
-    "PRESETS",
-    "STAGES",
-    "ReportResult",
-    "ReportSettings",
-    "Stage",
-    "StageContext",
-    "StageOutput",
-    "StageRecord",
-    "build",
-    "build_report",
-    "contributions_html",
-    "faithfulness_order",
-    "figure_png",
-    "html_document",
-    "spread_layers",
-    "stage_store",
-]
+#: Public name -> the module that defines it.
+_EXPORTS: dict[str, str] = {
+    "PRESETS": "mechgeom.report.options",
+    "ReportResult": "mechgeom.report.base",
+    "ReportSettings": "mechgeom.report.base",
+    "Stage": "mechgeom.report.base",
+    "StageContext": "mechgeom.report.base",
+    "StageOutput": "mechgeom.report.base",
+    "StageRecord": "mechgeom.report.base",
+    "build_report": "mechgeom.report.build",
+    "stage_store": "mechgeom.report.build",
+    "contributions_html": "mechgeom.report.html",
+    "figure_png": "mechgeom.report.html",
+    "html_document": "mechgeom.report.html",
+    "STAGES": "mechgeom.report.stages",
+    "faithfulness_order": "mechgeom.report.drivers.faithfulness",
+    "spread_layers": "mechgeom.report.drivers.selection",
+}
+_SUBMODULES = ("base", "build", "drivers", "encoder_stages", "html", "options", "runs", "stages", "sweeps")
+
+__all__ = [*sorted(_EXPORTS), "build"]
+
+
+def __getattr__(name: str) -> Any:
+    """Import a public name (or a submodule) on first use, and keep it."""
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    elif name in _SUBMODULES:
+        value = importlib.import_module(f"mechgeom.report.{name}")
+    else:
+        raise AttributeError(f"module 'mechgeom.report' has no attribute {name!r}")
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_EXPORTS, *_SUBMODULES})
+
+
+if TYPE_CHECKING:  # the same names, for type checkers and editors
+    from mechgeom.report import build as build
+    from mechgeom.report.base import (
+        ReportResult as ReportResult,
+        ReportSettings as ReportSettings,
+        Stage as Stage,
+        StageContext as StageContext,
+        StageOutput as StageOutput,
+        StageRecord as StageRecord,
+    )
+    from mechgeom.report.build import build_report as build_report, stage_store as stage_store
+    from mechgeom.report.drivers.faithfulness import faithfulness_order as faithfulness_order
+    from mechgeom.report.drivers.selection import spread_layers as spread_layers
+    from mechgeom.report.html import (
+        contributions_html as contributions_html,
+        figure_png as figure_png,
+        html_document as html_document,
+    )
+    from mechgeom.report.options import PRESETS as PRESETS
+    from mechgeom.report.stages import STAGES as STAGES

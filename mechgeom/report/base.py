@@ -1,26 +1,28 @@
-"""The report's settings, stages and records: what a stage is given and what it returns."""
+"""The report's settings, stages and records: what a stage is given and what it returns.
+
+:class:`StageOutput` is also what every analysis driver of :mod:`mechgeom.report.drivers` returns: the report's
+stages and the ``mechgeom run`` verbs write the same output under their own file names
+(:meth:`StageOutput.renamed`). Light at import: the model and the data load on first use.
+"""
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import pandas as pd
-import torch
+from mechgeom.report.options import PRESETS
+
+if TYPE_CHECKING:
+    import pandas as pd
+    import torch
 
 logger = logging.getLogger("mechgeom.report")
 
 __all__ = ["PRESETS", "ReportResult", "ReportSettings", "Stage", "StageContext", "StageOutput", "StageRecord"]
-
-#: Sizes of the analysis corpus: ``--quick`` and the default run.
-PRESETS: dict[str, dict[str, int]] = {
-    "quick": {"n_texts": 2, "seq_len": 64},
-    "default": {"n_texts": 8, "seq_len": 128},
-}
 
 
 # --------------------------------------------------------------------------- settings and results
@@ -43,14 +45,29 @@ class ReportSettings:
 
 @dataclass
 class StageOutput:
-    """What a stage returns: tables (file stem -> frame), figures (name -> matplotlib figure or PNG
-    bytes), summary lines (plain text), extra HTML (circuitsvis views) and notes (plain text)."""
+    """What a stage (or an analysis driver) returns: tables (name -> frame), figures (name -> matplotlib
+    figure or PNG bytes), summary lines (plain text), extra HTML (circuitsvis views), notes (plain text)
+    and ``data``, the headline numbers as JSON-able values (a run verb's ``summary.json``)."""
 
     tables: dict[str, pd.DataFrame] = field(default_factory=dict)
     figures: dict[str, Any] = field(default_factory=dict)
     summary: list[str] = field(default_factory=list)
     views: list[tuple[str, str]] = field(default_factory=list)  # (caption, circuitsvis local_src)
     notes: list[str] = field(default_factory=list)
+    data: dict[str, Any] = field(default_factory=dict)
+
+    def renamed(self, tables: Mapping[str, str], figures: Mapping[str, str]) -> StageOutput:
+        """The tables and figures named in ``tables`` / ``figures`` (driver name -> file stem), in that
+        order and under the new names; the summary, views, notes and data as they are. A name the
+        driver did not produce is left out (e.g. the sweep table of a run without the sweep)."""
+        return StageOutput(
+            tables={new: self.tables[old] for old, new in tables.items() if old in self.tables},
+            figures={new: self.figures[old] for old, new in figures.items() if old in self.figures},
+            summary=list(self.summary),
+            views=list(self.views),
+            notes=list(self.notes),
+            data=dict(self.data),
+        )
 
 
 @dataclass
@@ -100,7 +117,7 @@ class StageContext:
         self.device = device
         self.verbose = verbose
         self._model = model
-        self._tokens = tokens
+        self._tokens: torch.Tensor | None = tokens
         self.out_dir = out_dir
         self.stage_key = ""
         self._passes: dict[tuple[Any, ...], dict[str, Any]] = {}
@@ -131,12 +148,12 @@ class StageContext:
             )
         return self._tokens
 
-    def sinks_and_labels(self, n_texts: int, sink_positions: list[int]) -> dict[str, Any]:
+    def sinks_and_labels(self, n_texts: int, sink_positions: Any = None) -> dict[str, Any]:
         """``{"sinks": SinkResult, "taxonomy": TaxonomyResult}`` of the first ``n_texts`` windows from ONE
         forward pass per batch (:func:`mechgeom.collect` over a ``SinkCollector`` and a
         ``TaxonomyCollector``), run by whichever of the sinks and taxonomy stages asks first and kept for
         the other (a stage reused from disk asks for nothing)."""
-        key = (n_texts, tuple(sink_positions))
+        key = (n_texts, None if sink_positions is None else tuple(sink_positions))
         if key not in self._passes:
             from mechgeom.analyses.base import collect
             from mechgeom.analyses.heads.taxonomy import TaxonomyCollector

@@ -173,6 +173,78 @@ def _model_label(model: Any) -> str:
     return str(getattr(model.cfg, "model_name", type(model).__name__))
 
 
+def _settings(
+    model: Any, corpus: str, n_texts: int | None, seq_len: int | None, seed: int, quick: bool, tokens: Any
+) -> ReportSettings:
+    """The report's settings, checked; ``tokens`` given stand for the corpus (their hash names it)."""
+    from mechgeom.data import CORPORA
+
+    if tokens is None and corpus not in CORPORA:
+        raise ValueError(f"unknown corpus {corpus!r}; choose from {list(CORPORA)}")
+    preset = PRESETS["quick" if quick else "default"]
+    if tokens is not None:
+        n_texts, seq_len = int(tokens.shape[0]), int(tokens.shape[1])
+        corpus = "tokens:" + hashlib.sha256(tokens.cpu().numpy().tobytes()).hexdigest()[:12]
+    n_texts = preset["n_texts"] if n_texts is None else int(n_texts)
+    seq_len = preset["seq_len"] if seq_len is None else int(seq_len)
+    if n_texts <= 0 or seq_len < 2:
+        raise ValueError(f"need n_texts >= 1 and seq_len >= 2, got {n_texts} and {seq_len}")
+    return ReportSettings(_model_label(model), corpus, n_texts, seq_len, seed, quick)
+
+
+def _plan(model: Any, stages: Sequence[str] | None) -> tuple[list[Stage], list[StageRecord]]:
+    """The stages to run for this kind of model (all, or those named) and the records of the other
+    kind's stages named (all of the decoder's on an encoder), skipped with the reason."""
+    from mechgeom.models import is_encoder, is_encoder_name
+
+    encoder = is_encoder_name(model) if isinstance(model, str) else is_encoder(model)
+    catalogue = ENCODER_STAGES if encoder else STAGES
+    known = list(dict.fromkeys(s.name for s in (*STAGES, *ENCODER_STAGES)))
+    if stages is not None:
+        unknown = sorted(set(stages) - set(known))
+        if unknown:
+            raise ValueError(f"unknown stage(s) {unknown}; choose from {known}")
+    selected = [s for s in catalogue if stages is None or s.name in set(stages)]
+    others = [s for s in (STAGES if encoder else ENCODER_STAGES) if s.name not in {c.name for c in catalogue}]
+    wanted = {s.name for s in others} if stages is None and encoder else set(stages or ())
+    skipped = [
+        StageRecord(s.name, s.title, "skipped", reason=_not_for(s.name, encoder))
+        for s in others
+        if s.name in wanted
+    ]
+    return selected, skipped
+
+
+def _compute(
+    ctx: StageContext, store: RowStore, stage: Stage, key: dict[str, Any], params: dict[str, Any], tag: str
+) -> StageRecord:
+    """Run ``stage`` as one item of the sweep engine (its files written, its store row replaced); a stage
+    that raises gives a failed record."""
+    stage_key = _stage_key(key, params)
+    ctx.stage_key = stage_key.removeprefix("k")
+    store.discard((stage.name, str(k_)) for k_ in _stored(store, stage)["key"])  # one row per stage
+    work = _StageWork(ctx, ctx.out_dir, stage, key, params)
+    t0 = time.perf_counter()
+    try:
+        run_sweep(
+            [Item(key=(stage.name, stage_key), rows=((stage.name, stage_key),))],
+            work,
+            store,
+            executor=LocalExecutor(),
+            verbose=False,
+        )
+    except Exception as exc:
+        logger.error("%s: failed: %s", tag, exc)
+        logger.debug("%s", traceback.format_exc())
+        return StageRecord(
+            stage.name, stage.title, "failed", time.perf_counter() - t0, reason=f"{type(exc).__name__}: {exc}"
+        )
+    assert work.record is not None
+    with contextlib.suppress(OSError):  # only if the stage left no checkpoint behind
+        (ctx.out_dir / "partial").rmdir()
+    return work.record
+
+
 def build_report(
     out_dir: str | Path = "out/report",
     *,
@@ -212,48 +284,14 @@ def build_report(
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
         raise NotADirectoryError(f"--out {out} is an existing file; give a directory for the report")
-    from mechgeom.data import CORPORA
-
-    if tokens is None and corpus not in CORPORA:
-        raise ValueError(f"unknown corpus {corpus!r}; choose from {list(CORPORA)}")
-    preset = PRESETS["quick" if quick else "default"]
-    if tokens is not None:
-        n_texts, seq_len = int(tokens.shape[0]), int(tokens.shape[1])
-        corpus = "tokens:" + hashlib.sha256(tokens.cpu().numpy().tobytes()).hexdigest()[:12]
-    n_texts = preset["n_texts"] if n_texts is None else int(n_texts)
-    seq_len = preset["seq_len"] if seq_len is None else int(seq_len)
-    if n_texts <= 0 or seq_len < 2:
-        raise ValueError(f"need n_texts >= 1 and seq_len >= 2, got {n_texts} and {seq_len}")
-    from mechgeom.models import is_encoder, is_encoder_name
-
-    encoder = is_encoder_name(model) if isinstance(model, str) else is_encoder(model)
-    catalogue = ENCODER_STAGES if encoder else STAGES
-    known = list(dict.fromkeys(s.name for s in (*STAGES, *ENCODER_STAGES)))
-    if stages is not None:
-        unknown = sorted(set(stages) - set(known))
-        if unknown:
-            raise ValueError(f"unknown stage(s) {unknown}; choose from {known}")
-    selected = [s for s in catalogue if stages is None or s.name in set(stages)]
-    # the other kind of model's stages, skipped with the reason: on an encoder every decoder-only stage (or
-    # those named), on a decoder the encoder-only stages named
-    others = [s for s in (STAGES if encoder else ENCODER_STAGES) if s.name not in {c.name for c in catalogue}]
-    wanted = {s.name for s in others} if stages is None and encoder else set(stages or ())
-    skipped = [
-        StageRecord(s.name, s.title, "skipped", reason=_not_for(s.name, encoder))
-        for s in others
-        if s.name in wanted
-    ]
-    settings = ReportSettings(_model_label(model), corpus, n_texts, seq_len, seed, quick)
+    settings = _settings(model, corpus, n_texts, seq_len, seed, quick, tokens)
+    selected, skipped = _plan(model, stages)
     key = _json_roundtrip(settings.as_dict())
     store = stage_store(out)  # refuses a store of another layout before anything is computed
     ctx = StageContext(
-        settings,
-        out,
-        model=None if isinstance(model, str) else model,
-        tokens=tokens,
-        device=device,
+        settings, out, model=None if isinstance(model, str) else model, tokens=tokens, device=device,
         verbose=verbose,
-    )
+    )  # fmt: skip
     out.mkdir(parents=True, exist_ok=True)
     records: list[StageRecord] = []
     t_all = time.perf_counter()
@@ -262,47 +300,22 @@ def build_report(
         missing = _module_missing(stage.module)
         if missing is not None:
             logger.info("%s: not available (%s)", tag, missing)
-            records.append(StageRecord(stage.name, stage.title, "skipped", reason=missing))
-            continue
-        params = _json_roundtrip(stage.params(settings))
-        stage_key = _stage_key(key, params)
-        rec = _load_record(out, store, stage, stage_key)
-        if rec is not None:
-            logger.info("%s: reused from %s", tag, store.path)
-            records.append(rec)
-            continue
-        logger.info("%s: computing ...", tag)
-        ctx.stage_key = stage_key.removeprefix("k")
-        _ = ctx.tokens  # loading errors (model, corpus) stop the report rather than fail every stage
-        store.discard((stage.name, str(k_)) for k_ in _stored(store, stage)["key"])  # one row per stage
-        work = _StageWork(ctx, out, stage, key, params)
-        t0 = time.perf_counter()
-        try:
-            run_sweep(
-                [Item(key=(stage.name, stage_key), rows=((stage.name, stage_key),))],
-                work,
-                store,
-                executor=LocalExecutor(),
-                verbose=False,
-            )
-            assert work.record is not None
-            rec = work.record
-        except Exception as exc:
-            logger.error("%s: failed: %s", tag, exc)
-            logger.debug("%s", traceback.format_exc())
-            rec = StageRecord(
-                stage.name,
-                stage.title,
-                "failed",
-                time.perf_counter() - t0,
-                reason=f"{type(exc).__name__}: {exc}",
-            )
+            rec = StageRecord(stage.name, stage.title, "skipped", reason=missing)
         else:
-            logger.info("%s: done in %.1f s", tag, rec.seconds)
-            with contextlib.suppress(OSError):  # only if the stage left no checkpoint behind
-                (out / "partial").rmdir()
+            params = _json_roundtrip(stage.params(settings))
+            stored = _load_record(out, store, stage, _stage_key(key, params))
+            if stored is not None:
+                logger.info("%s: reused from %s", tag, store.path)
+                rec = stored
+            else:
+                logger.info("%s: computing ...", tag)
+                _ = ctx.tokens  # loading errors (model, corpus) stop the report rather than fail every stage
+                rec = _compute(ctx, store, stage, key, params, tag)
+                if rec.status == "computed":
+                    logger.info("%s: done in %.1f s", tag, rec.seconds)
         records.append(rec)
-        _write_page(out, settings, records, selected[k:])
+        if rec.status in ("computed", "failed"):
+            _write_page(out, settings, records, selected[k:])
     for rec in skipped:
         logger.info("%s: skipped (%s)", rec.name, rec.reason)
     records += skipped

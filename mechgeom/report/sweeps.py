@@ -27,26 +27,21 @@ import argparse
 import contextlib
 import logging
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
-import pandas as pd
-import torch
-
-from mechgeom._io import write_frame
-from mechgeom.analyses.faithfulness.curves import (
+from mechgeom.report.options import (
+    CORPORA,
     DEFAULT_RATES,
     FAITHFULNESS_METRICS,
     MODES,
-    perplexity_curves,
-    task_accuracy_curves,
+    TASKS,
+    common_arguments,
+    layer_list,
+    names,
+    positive,
+    rates,
+    seq_len,
 )
-from mechgeom.analyses.heads.pruning import single_head_sweep
-from mechgeom.analyses.scoring import task_baselines
-from mechgeom.data import CORPORA, TASKS, load_corpus, load_task
-from mechgeom.models import load_model
-from mechgeom.report.options import layer_list, names, positive, rates, seq_len
-from mechgeom.sweep import ModelRef, RayExecutor
 
 __all__ = ["SWEEPS", "add_arguments", "run"]
 
@@ -57,15 +52,11 @@ TASK_RATES = (0.0, 0.3, 0.6, 0.9)
 
 
 def _engine_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--out", type=Path, required=True, help="directory of the tables and resume records")
+    common_arguments(p, out=None, batch_size=None, threads=1)
     p.add_argument("--engine", choices=["local", "ray"], default="local")
     p.add_argument("--ray-address", default=None, help="join this Ray cluster ('auto' or an address)")
     p.add_argument("--workers", type=positive, default=1, help="Ray actors (model replicas)")
-    p.add_argument("--threads", type=positive, default=1, help="torch threads per worker")
     p.add_argument("--num-gpus", type=float, default=0.0, help="GPUs per Ray actor")
-    p.add_argument("--model", default="smollm2-135m")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--batch-size", type=positive, default=None)
     p.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
@@ -97,9 +88,11 @@ def add_arguments(sub: argparse._SubParsersAction) -> None:  # type: ignore[type
 
 
 @contextlib.contextmanager
-def _executor(args: argparse.Namespace) -> Iterator[RayExecutor | None]:
+def _executor(args: argparse.Namespace) -> Iterator[Any]:
     """None (this process, ``workers x threads`` torch threads) or a Ray executor held for the run."""
     if args.engine == "local":
+        import torch
+
         before = torch.get_num_threads()
         torch.set_num_threads(args.workers * args.threads)
         try:
@@ -107,6 +100,8 @@ def _executor(args: argparse.Namespace) -> Iterator[RayExecutor | None]:
         finally:
             torch.set_num_threads(before)
         return
+    from mechgeom.sweep import ModelRef, RayExecutor
+
     ex = RayExecutor(
         ModelRef(args.model),
         workers=args.workers,
@@ -119,76 +114,85 @@ def _executor(args: argparse.Namespace) -> Iterator[RayExecutor | None]:
         yield ex
 
 
-def _faithfulness(args: argparse.Namespace, model: Any, executor: RayExecutor | None) -> Path:
+def _options(args: argparse.Namespace, executor: Any) -> dict[str, Any]:
+    """The options every sweep passes to its driver: the seed, the executor, the progress bar, and the
+    batch size when given (else the analysis' own default)."""
+    size = {} if args.batch_size is None else {"batch_size": args.batch_size}
+    return {"seed": args.seed, "executor": executor, "verbose": not args.quiet, **size}
+
+
+def _faithfulness(args: argparse.Namespace, model: Any, executor: Any) -> Any:
+    import pandas as pd
+
+    from mechgeom.data import load_corpus
+    from mechgeom.report.drivers.faithfulness import perplexity
+
     frames = []
     for corpus in args.corpus:
         tokens = load_corpus(corpus, model, n_texts=args.n_texts, seq_len=args.seq_len, seed=args.seed)
         logger.info("faithfulness on %s: %s tokens, engine %s", corpus, tuple(tokens.shape), args.engine)
-        frame = perplexity_curves(
-            model,
-            tokens,
-            args.metrics,
-            args.rates,
-            args.modes,
-            batch_size=args.batch_size or 8,
-            seed=args.seed,
-            checkpoint=args.out / f"faithfulness_{corpus}.csv",
-            executor=executor,
-            verbose=not args.quiet,
-        )
-        frame.insert(0, "corpus", corpus)
-        frames.append(frame.assign(seq_len=args.seq_len))
-    path = args.out / "faithfulness.csv"
-    write_frame(pd.concat(frames, ignore_index=True), path)
-    return path
+        out = perplexity(
+            model, tokens, metrics=args.metrics, rates=args.rates, modes=args.modes,
+            checkpoint=args.out / f"faithfulness_{corpus}.csv", **_options(args, executor),
+        )  # fmt: skip
+        frames.append(out.tables["curves"].assign(seq_len=args.seq_len).assign(corpus=corpus))
+    frame = pd.concat(frames, ignore_index=True)
+    return frame[["corpus", *(c for c in frame.columns if c != "corpus")]]
 
 
-def _tasks(args: argparse.Namespace, model: Any, executor: RayExecutor | None) -> Path:
+def _tasks(args: argparse.Namespace, model: Any, executor: Any) -> Any:
+    from mechgeom.data import load_task
+    from mechgeom.report.drivers.faithfulness import tasks
+
     items = [it for task in args.tasks for it in load_task(task, n=args.n_items, seed=args.seed)]
     logger.info("tasks %s: %d items, engine %s", ",".join(args.tasks), len(items), args.engine)
-    frame = task_accuracy_curves(
-        model,
-        items,
-        args.metrics,
-        args.rates,
-        args.modes,
-        batch_size=args.batch_size or 4,
-        seed=args.seed,
-        max_len=min(args.max_len, int(model.cfg.n_ctx)),
-        checkpoint=args.out / "tasks.csv",
-        executor=executor,
-        verbose=not args.quiet,
-    )
-    frame = frame.merge(task_baselines(items).drop(columns="n_items"), on="task", how="left")
-    path = args.out / "tasks.csv"
-    write_frame(frame, path)
-    return path
+    out = tasks(
+        model, items, metrics=args.metrics, rates=args.rates, modes=args.modes,
+        max_len=min(args.max_len, int(model.cfg.n_ctx)), checkpoint=args.out / "tasks.csv",
+        **_options(args, executor),
+    )  # fmt: skip
+    baselines = out.tables["baselines"].drop(columns="n_items")
+    return out.tables["curves"].merge(baselines, on="task", how="left")
 
 
-def _pruning(args: argparse.Namespace, model: Any, executor: RayExecutor | None) -> Path:
+def _pruning(args: argparse.Namespace, model: Any, executor: Any) -> Any:
+    from mechgeom.data import load_corpus
+    from mechgeom.report.drivers.pruning import single_head
+
     tokens = load_corpus("wikitext2", model, n_texts=args.n_texts, seq_len=args.seq_len, seed=args.seed)
     logger.info("single-head sweep: %s tokens, engine %s", tuple(tokens.shape), args.engine)
     n_heads = int(model.cfg.n_heads)
     heads = None if args.layers is None else [(layer, h) for layer in args.layers for h in range(n_heads)]
-    result = single_head_sweep(
+    options = {k: v for k, v in _options(args, executor).items() if k != "seed"}
+    _, out = single_head(
         model,
         tokens,
         heads=heads,
         mode=args.ablation,
-        batch_size=args.batch_size or 8,
         checkpoint=args.out / "single_head.per_text.csv",
-        executor=executor,
-        verbose=not args.quiet,
+        **options,
     )
-    path = args.out / "single_head.csv"
-    write_frame(result.to_frame(), path)
-    return path
+    return out.tables["single_head"]
 
 
-def run(args: argparse.Namespace) -> Path:
+#: Each sweep's driver call and the table it writes.
+_SWEEPS = {
+    "faithfulness": (_faithfulness, "faithfulness.csv"),
+    "tasks": (_tasks, "tasks.csv"),
+    "pruning": (_pruning, "single_head.csv"),
+}
+
+
+def run(args: argparse.Namespace) -> Any:
     """Run ``mechgeom sweep <args.sweep>``; returns the table's path."""
+    from mechgeom._io import write_frame
+    from mechgeom.models import load_model
+
     args.out.mkdir(parents=True, exist_ok=True)
     model = load_model(args.model)  # the driver tokenises, checks the settings and names the fingerprint
-    body = {"faithfulness": _faithfulness, "tasks": _tasks, "pruning": _pruning}[args.sweep]
+    body, name = _SWEEPS[args.sweep]
     with _executor(args) as executor:
-        return body(args, model, executor)
+        frame = body(args, model, executor)
+    path = args.out / name
+    write_frame(frame, path)
+    return path

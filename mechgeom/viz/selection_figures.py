@@ -11,6 +11,8 @@ import numpy as np
 import pandas as pd
 from matplotlib.figure import Figure
 
+from mechgeom._deprecation import warn_deprecated
+
 __all__ = ["plot_selection_scores", "plot_selection_vs_n"]
 
 _SCORE_COLUMNS = ("f_top", "f_random", "f_nosink", "bound", "bound_ideal")
@@ -23,14 +25,17 @@ def _check_columns(frame: pd.DataFrame, columns: tuple[str, ...], what: str) -> 
 
 
 def plot_selection_scores(frame: pd.DataFrame, params: pd.DataFrame | None = None) -> Figure:
-    """The report's selection figure: mean extreme F-score vs ``N`` (left), predicted vs measured (right).
+    """The report's former selection figure: mean extreme F-score vs ``N`` (left), predicted vs measured (right).
 
     ``frame`` is ``SelectionResult.to_frame()``. Left: per ``N`` the mean over heads of ``f_top`` (top-``N``),
     ``f_random`` (random ``N``-subsets), ``f_nosink`` (sink excluded) and ``bound`` (the fitted sink-aware
     bound), log2 ``N`` axis. Right: one point per (head, ``N``), the constant-norm prediction ``bound_ideal``
     against the measured ``f_top``, coloured by log2 ``N``, with the diagonal. ``params``
     (``SelectionResult.params_frame()``) is accepted for the report's call and not drawn.
+
+    Deprecated: the report and ``mechgeom run selection`` both draw :func:`plot_selection_vs_n`.
     """
+    warn_deprecated("plot_selection_scores(frame, params)", "plot_selection_vs_n(result.by_n_frame(), frame)")
     _check_columns(frame, ("N", *_SCORE_COLUMNS), "selection table")
     fig = Figure(figsize=(9, 3.4))
     ax1, ax2 = fig.subplots(1, 2)
@@ -57,7 +62,7 @@ def plot_selection_scores(frame: pd.DataFrame, params: pd.DataFrame | None = Non
 
 
 def plot_selection_vs_n(by_n: pd.DataFrame, frame: pd.DataFrame, title: str = "") -> Figure:
-    """The run's selection figure: the per-``N`` means of ``by_n`` (left), predicted vs measured (right).
+    """The selection figure (of the report and of ``mechgeom run selection``): the per-``N`` means of ``by_n`` (left), predicted vs measured (right).
 
     ``by_n`` is ``SelectionResult.by_n_frame()`` (one row per ``N``), ``frame`` is ``to_frame()``. Left:
     ``f_top``, ``f_random``, ``f_nosink``, the constant-norm prediction ``bound_ideal`` and the guaranteed

@@ -400,3 +400,85 @@ def test_contributions_html_inlines_the_bundle_once(tmp_path: Path) -> None:
     with pytest.raises(IndexError):
         report.contributions_html(res, tmp_path / "bad.html", heads=[4])
     assert not (tmp_path / "bad.html").exists()
+
+
+# --------------------------------------------------------------------------- a light command line
+
+
+def test_help_imports_no_heavy_module() -> None:
+    """``python -m mechgeom --help`` (and ``run``/``sweep`` help) builds the whole parser without importing
+    torch, pandas, numpy, matplotlib or TransformerLens: a verb's modules load only when it runs."""
+    import subprocess
+    import sys
+
+    heavy = ("torch", "pandas", "numpy", "matplotlib", "transformer_lens", "mechgeom.models", "mechgeom.data")
+    code = (
+        "import runpy, sys\n"
+        "sys.argv = ['mechgeom', *sys.argv[1:]]\n"
+        "try:\n    runpy.run_module('mechgeom', run_name='__main__')\n"
+        "except SystemExit:\n    pass\n"
+        f"print('LOADED', sorted(m for m in {heavy!r} if m in sys.modules))\n"
+    )
+    for argv in (["--help"], ["run", "sinks", "--help"], ["sweep", "tasks", "--help"]):
+        done = subprocess.run(
+            [sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=120
+        )
+        assert done.returncode == 0, done.stderr
+        assert "usage: mechgeom" in done.stdout, done.stdout
+        assert done.stdout.strip().splitlines()[-1] == "LOADED []", (argv, done.stdout[-300:])
+
+
+def test_the_command_lines_name_lists_are_the_librarys() -> None:
+    """The static lists of :mod:`mechgeom.report.options` (the parser's choices) equal the library's."""
+    from mechgeom.analyses import faithfulness
+    from mechgeom.analyses.heads import orders
+    from mechgeom.data import CORPORA, TASKS
+    from mechgeom.hooks import MODES
+    from mechgeom.report import options
+
+    assert list(options.MODELS) == list_models()
+    assert (options.CORPORA, options.TASKS) == (CORPORA, TASKS)
+    assert options.FAITHFULNESS_METRICS == faithfulness.FAITHFULNESS_METRICS
+    assert options.DEFAULT_RATES == faithfulness.DEFAULT_RATES and options.MODES == MODES
+    assert options.HEAD_ORDERS == orders.ORDERS and options.RETENTION_LEVELS == orders.RETENTION_LEVELS
+    assert report.PRESETS is options.PRESETS
+
+
+# --------------------------------------------------------------------------- one driver per analysis
+
+
+def test_run_sinks_and_the_report_stage_are_one_driver(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``mechgeom run sinks`` and the report's sinks stage on the same tiny model and windows: the same
+    statistics, the same ablation, and the same convexity heads, spread from the strongest sink head (of
+    layers >= 1) to the weakest."""
+    import pandas as pd
+
+    from mechgeom import data, models
+    from mechgeom.analyses.sinks.statistics import sink_statistics
+
+    model, tokens = make_tiny(n_layers=3, seed=21), random_tokens(2, 10, seed=22)
+    monkeypatch.setattr(models, "load_model", lambda name, **kw: model)
+    monkeypatch.setattr(data, "load_corpus", lambda corpus, m, *, n_texts, seq_len, seed: tokens[:n_texts])
+    argv = ["run", "sinks", "--n-texts", "2", "--seq-len", "10", "--per-layer-texts", "0", "--modes", "zero"]
+    assert main([*argv, "--out", str(tmp_path / "run")]) == 0
+    run = tmp_path / "run" / "smollm2-135m"
+    report.build_report(tmp_path / "rep", model=model, tokens=tokens, stages=["sinks"], verbose=False)
+    rep = tmp_path / "rep"
+    pd.testing.assert_frame_equal(pd.read_csv(run / "heads.csv"), pd.read_csv(rep / "sinks.csv"))
+    pd.testing.assert_frame_equal(
+        pd.read_csv(run / "ablation_all_layers_zero.csv"), pd.read_csv(rep / "sinks_ablation.csv")
+    )
+    heads = json.loads((run / "summary.json").read_text())["convexity_check_heads"]
+    measured = pd.read_csv(rep / "sinks_convexity.csv")
+    assert list(dict.fromkeys(zip(measured["layer"], measured["head"], strict=True))) == [
+        tuple(h) for h in heads
+    ]
+    rates = (
+        sink_statistics(model, tokens)
+        .to_frame()
+        .query("layer >= 1")
+        .set_index(["layer", "head"])["sink_rate"]
+    )
+    assert len(heads) == 3 and tuple(heads[0]) == rates.idxmax() and tuple(heads[-1]) == rates.idxmin()

@@ -22,6 +22,7 @@ from conftest import make_tiny, random_tokens
 
 import mechgeom
 from mechgeom.analyses.base import Collector, Result, check_cache, collect
+from mechgeom.analyses.faithfulness import DEFAULT_RATES, FAITHFULNESS_METRICS
 from mechgeom.hooks import LayerCollector, has_hooks
 
 ENTRY_POINTS = ["contribution_weights", "sink_statistics", "token_selection", "classify_heads", "head_stats"]
@@ -175,3 +176,72 @@ def test_the_result_of_a_collector_holds_cpu_tokens() -> None:
     tokens = random_tokens(2, 5, seed=6)
     res = collect(model, tokens, mechgeom.SinkCollector(model))
     assert torch.equal(res.tokens, tokens) and res.tokens.device.type == "cpu"
+
+
+#: Every analysis entry point: its input first (texts or token ids, or task items), then keyword-only options.
+ALL_ENTRY_POINTS = {
+    **dict.fromkeys(
+        [
+            *ENTRY_POINTS,
+            "contribution_overview",
+            "encoder_sink_statistics",
+            "sink_ablation",
+            "convexity_check",
+            "convexity_by_intervention",
+            "single_head_sweep",
+            "perplexity_curves",
+            "embedding_curves",
+            "source_rankings",
+        ],
+        "tokens_or_text",
+    ),
+    "task_accuracy_curves": "items",
+}
+#: Options that mean the same thing in every entry point that has them, with their one default.
+SHARED_DEFAULTS = {
+    "layers": None,
+    "cache": None,
+    "extra_hooks": (),
+    "verbose": False,
+    "seed": 0,
+    "batch_size": 8,
+    "scope": "intra",
+    "checkpoint": None,
+    "executor": None,
+    "n_boot": 1000,
+    "sink_positions": None,
+    "attention_mask": None,
+    "metrics": FAITHFULNESS_METRICS,
+    "rates": DEFAULT_RATES,
+    "modes": ("comprehensiveness", "sufficiency"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(ALL_ENTRY_POINTS))
+def test_entry_points_take_their_input_by_position_and_options_by_keyword(name: str) -> None:
+    params = list(inspect.signature(getattr(mechgeom, name)).parameters.values())
+    assert [p.name for p in params[:2]] == ["model", ALL_ENTRY_POINTS[name]], name
+    assert all(p.kind is p.POSITIONAL_OR_KEYWORD for p in params[:2])
+    late = [p.name for p in params[2:] if p.kind not in (p.KEYWORD_ONLY, p.VAR_KEYWORD)]
+    assert not late, f"{name}: {late} can be passed by position"
+    for p in params[2:]:
+        if p.name in SHARED_DEFAULTS:
+            assert p.default == SHARED_DEFAULTS[p.name], (name, p.name, p.default)
+
+
+def test_options_once_positional_still_work_for_a_release_with_a_warning() -> None:
+    model = make_tiny(n_layers=1, seed=4)
+    tokens = random_tokens(2, 6, seed=5)
+    kw = dict(metrics=["attention"], rates=[0.0, 0.5], modes=["sufficiency"], n_boot=20)
+    new = mechgeom.perplexity_curves(model, tokens, **kw)
+    with pytest.warns(
+        DeprecationWarning, match=r"perplexity_curves\(\.\.\., metrics, rates, modes\) by position"
+    ):
+        old = mechgeom.perplexity_curves(model, tokens, ["attention"], [0.0, 0.5], ["sufficiency"], n_boot=20)
+    pd.testing.assert_frame_equal(old, new)
+    with pytest.raises(TypeError, match="multiple values for argument 'metrics'"):
+        mechgeom.perplexity_curves(model, tokens, ["attention"], metrics=["attention"])
+    with pytest.raises(
+        TypeError, match=r"takes 2 positional arguments \(then metrics, rates, modes by keyword\)"
+    ):
+        mechgeom.perplexity_curves(model, tokens, ["attention"], [0.5], ["sufficiency"], 2)

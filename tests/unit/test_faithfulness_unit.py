@@ -21,7 +21,7 @@ from hypothesis import given, settings, strategies as st
 from mechgeom import hooks as mg_hooks, viz
 from mechgeom.analyses import faithfulness, scoring as evaluation
 from mechgeom.analyses.contribution.weights import contribution_weights
-from mechgeom.analyses.faithfulness import curves as fa
+from mechgeom.analyses.faithfulness import curves as fa, harness
 from mechgeom.analyses.scoring import perplexity, text_nll
 from mechgeom.data import TaskItem
 from mechgeom.hooks import has_hooks, head_ablation_hooks, run_hooks
@@ -303,7 +303,7 @@ def test_resume_after_interruption_gives_the_same_table(tmp_path, monkeypatch) -
     )
     full = faithfulness.perplexity_curves(model, tokens, checkpoint=tmp_path / "full.csv", **kw)
 
-    real = fa._masked_scores
+    real = harness.masked_pass
     calls = {"n": 0}
 
     def flaky(*args, **kwargs):
@@ -312,7 +312,7 @@ def test_resume_after_interruption_gives_the_same_table(tmp_path, monkeypatch) -
             raise RuntimeError("simulated interruption")
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(fa, "_masked_scores", flaky)
+    monkeypatch.setattr(harness, "masked_pass", flaky)
     out = tmp_path / "run.csv"
     with pytest.raises(RuntimeError, match="simulated"):
         faithfulness.perplexity_curves(model, tokens, checkpoint=out, **kw)
@@ -327,7 +327,7 @@ def test_resume_after_interruption_gives_the_same_table(tmp_path, monkeypatch) -
         counted["n"] += 1
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(fa, "_masked_scores", counting)
+    monkeypatch.setattr(harness, "masked_pass", counting)
     resumed = faithfulness.perplexity_curves(model, tokens, checkpoint=out, **kw)
     pd.testing.assert_frame_equal(resumed, full)
     pd.testing.assert_frame_equal(pd.read_csv(out), pd.read_csv(tmp_path / "full.csv"))

@@ -16,7 +16,7 @@ import numpy as np
 import pandas as pd
 import pytest
 from conftest import make_tiny, random_tokens
-from sweep_work import TextNLL, items
+from sweep_work import TextNLL, encoder_input, items
 
 from mechgeom.analyses import faithfulness
 from mechgeom.analyses.heads import pruning
@@ -31,6 +31,9 @@ from mechgeom.sweep import (
 )
 
 TINY = ModelRef("tiny", factory="conftest:make_tiny", kwargs=(("seed", 3),))
+ENCODER = ModelRef(
+    "tiny-encoder", factory="conftest:make_tiny", kwargs=(("attention_dir", "bidirectional"), ("seed", 4))
+)
 
 
 @pytest.fixture(scope="module")
@@ -72,6 +75,34 @@ def test_ray_faithfulness_curves_equal_the_local_run_row_for_row(tiny_ray, tmp_p
     pd.testing.assert_frame_equal(again, remote)
     with pytest.raises(ValueError, match="seed: stored 0, now 1"):  # refused before any item is sent
         faithfulness.perplexity_curves(model, tokens, checkpoint=ckpt, executor=tiny_ray, **{**kw, "seed": 1})
+
+
+def test_ray_embedding_curves_equal_the_local_run(ray_cluster, tmp_path):
+    """``embedding_curves`` on the sweep engine: on two Ray actors that each build the tiny encoder, the same
+    effects as in this process; a rerun resumes from the record with nothing left to run."""
+    model = make_tiny(attention_dir="bidirectional", seed=4)
+    tokens, mask = encoder_input()
+    kw = dict(
+        metrics=("attention", "contribution", "random"),
+        rates=(0.0, 0.5, 1.0),
+        batch_size=2,
+        attention_mask=mask,
+    )
+    local = faithfulness.embedding_curves(model, tokens, **kw)
+    ckpt = tmp_path / "ray.csv"
+    with RayExecutor(ENCODER, workers=2, num_cpus=1) as ex:
+        remote = faithfulness.embedding_curves(model, tokens, checkpoint=ckpt, executor=ex, **kw)
+        assert len(set(ex.pids)) == 2
+        again = faithfulness.embedding_curves(model, tokens, checkpoint=ckpt, executor=ex, **kw)
+    assert (local.effects[:, :, 1:] > 0).all()
+    np.testing.assert_allclose(remote.effects, local.effects, rtol=1e-5, atol=1e-7)
+    pd.testing.assert_frame_equal(remote.to_frame(), local.to_frame(), rtol=1e-5, atol=1e-7)
+    np.testing.assert_array_equal(again.effects, remote.effects)
+    record = pd.read_csv(tmp_path / "ray.per_text.csv")
+    assert (
+        len(record) == (1 + 3 * 2 * 2) * 5
+        and not record.duplicated(["metric", "mode", "rate", "unit_hash"]).any()
+    )
 
 
 def test_ray_single_head_sweep_equals_the_local_one(tiny_ray):

@@ -12,13 +12,15 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
+import numpy as np
 import pandas as pd
 import pytest
 import torch
 from conftest import make_tiny, random_tokens
+from sweep_work import encoder_input
 
 from mechgeom.analyses import faithfulness, heads
-from mechgeom.analyses.faithfulness import curves as fa
+from mechgeom.analyses.faithfulness import curves as fa, harness
 from mechgeom.analyses.heads import pruning
 from mechgeom.data import TaskItem
 from mechgeom.sweep import Item, LocalExecutor, RowStore, run_sweep, tokens_hash
@@ -155,13 +157,10 @@ def test_items_and_work_functions_pickle_without_their_caches():
     item = Item(key=("a", 0.5, 1), rows=(("a", 0.5, "u1"),), batch=(0, 1), data=("a",))
     assert pickle.loads(pickle.dumps(item)) == item
     model = make_tiny()
-    units = fa._Units(
-        tokens=random_tokens(2, 6),
-        lengths=[6, 6],
-        targets=torch.ones(2, 5, dtype=torch.bool),
-        hashes=["u1", "u2"],
+    units = harness.Units.prefixes(
+        random_tokens(2, 6), [6, 6], ["u1", "u2"], targets=torch.ones(2, 5, dtype=torch.bool)
     )
-    work = fa._SweepWork(units, [0, 1], "intra", 0)
+    work = harness.MaskingWork(units, fa.TargetLogprob(), [0, 1], "intra", 0)
     rows = work(model, Item(key=("clean", "clean", 0.0, 0), batch=(0, 1), data=("attention",)))
     assert work._cache and rows["unit_hash"].tolist() == ["u1", "u2"]
     clone = pickle.loads(pickle.dumps(work))
@@ -269,9 +268,9 @@ def test_faithfulness_resumes_after_sigkill(tmp_path):
     script = f"""
         import time
         from conftest import make_tiny, random_tokens
-        from mechgeom.analyses.faithfulness import curves as fa
-        real = fa._masked_scores
-        fa._masked_scores = lambda *a, **k: (time.sleep(0.25), real(*a, **k))[1]
+        from mechgeom.analyses.faithfulness import curves as fa, harness
+        real = harness.masked_pass
+        harness.masked_pass = lambda *a, **k: (time.sleep(0.25), real(*a, **k))[1]
         fa.perplexity_curves(make_tiny(), random_tokens(5, 8, seed=2), checkpoint={str(tmp_path / "run.csv")!r}, **{kw!r})
     """
     record = tmp_path / "run.per_text.csv"
@@ -285,6 +284,46 @@ def test_faithfulness_resumes_after_sigkill(tmp_path):
     resumed = faithfulness.perplexity_curves(model, tokens, checkpoint=tmp_path / "run.csv", **kw)
     pd.testing.assert_frame_equal(resumed, full)
     _same_rows(pd.read_csv(record), full_record, ["metric", "mode", "rate", "unit_hash"])
+
+
+def test_embedding_curves_resume_after_sigkill(tmp_path):
+    """``embedding_curves`` on the sweep engine: killed mid-sweep, then rerun, it gives the table of an
+    uninterrupted run, and its record holds every (metric, mode, rate, text) once."""
+    kw = dict(metrics=("attention", "random"), rates=(0.0, 0.5, 1.0), batch_size=2, verbose=False)
+    script = f"""
+        import time
+        from conftest import make_tiny
+        from sweep_work import encoder_input
+        from mechgeom.analyses.faithfulness import embedding, harness
+        real = harness.masked_pass
+        harness.masked_pass = lambda *a, **k: (time.sleep(0.25), real(*a, **k))[1]
+        tokens, mask = encoder_input()
+        model = make_tiny(attention_dir="bidirectional", seed=4)
+        embedding.embedding_curves(model, tokens, attention_mask=mask, checkpoint={str(tmp_path / "run.csv")!r}, **{kw!r})
+    """
+    record = tmp_path / "run.per_text.csv"
+    _kill_when(script, record, lambda f: (f["metric"] != "clean").sum() >= 4)
+    killed = pd.read_csv(record)
+    assert not (tmp_path / "run.csv").exists()
+    model = make_tiny(attention_dir="bidirectional", seed=4)
+    tokens, mask = encoder_input()
+    full = faithfulness.embedding_curves(
+        model, tokens, attention_mask=mask, checkpoint=tmp_path / "full.csv", **kw
+    )
+    full_record = pd.read_csv(tmp_path / "full.per_text.csv")
+    assert len(killed) < len(full_record) == (1 + 2 * 2 * 2) * 5  # interrupted mid-way
+    resumed = faithfulness.embedding_curves(
+        model, tokens, attention_mask=mask, checkpoint=tmp_path / "run.csv", **kw
+    )
+    np.testing.assert_allclose(resumed.effects, full.effects, rtol=1e-6, atol=1e-7)
+    assert (full.effects[:, :, 1:] > 0).all() and resumed.unit_hashes == full.unit_hashes
+    pd.testing.assert_frame_equal(resumed.to_frame(), full.to_frame(), rtol=1e-6, atol=1e-7)
+    pd.testing.assert_frame_equal(pd.read_csv(tmp_path / "run.csv"), pd.read_csv(tmp_path / "full.csv"))
+    _same_rows(pd.read_csv(record), full_record, ["metric", "mode", "rate", "unit_hash"])
+    with pytest.raises(ValueError, match="seed: stored 0, now 1"):
+        faithfulness.embedding_curves(
+            model, tokens, attention_mask=mask, checkpoint=tmp_path / "run.csv", **{**kw, "seed": 1}
+        )
 
 
 def test_single_head_sweep_resumes_after_sigkill(tmp_path):
@@ -340,7 +379,7 @@ def test_faithfulness_items_share_one_clean_pass_per_batch_and_aliased_masked_pa
     model, tokens = make_tiny(), random_tokens(5, 8, seed=2)
     kw = dict(rates=(0.0, 0.5, 1.0), batch_size=2, n_boot=50, verbose=False)
     calls = {"clean": 0, "masked": 0}
-    real_clean, real_masked = fa.clean_pass, fa._masked_scores
+    real_clean, real_masked = harness.clean_pass, harness.masked_pass
 
     def clean(*a, **k):
         calls["clean"] += 1
@@ -350,8 +389,8 @@ def test_faithfulness_items_share_one_clean_pass_per_batch_and_aliased_masked_pa
         calls["masked"] += 1
         return real_masked(*a, **k)
 
-    monkeypatch.setattr(fa, "clean_pass", clean)
-    monkeypatch.setattr(fa, "_masked_scores", masked)
+    monkeypatch.setattr(harness, "clean_pass", clean)
+    monkeypatch.setattr(harness, "masked_pass", masked)
     both = faithfulness.perplexity_curves(
         model, tokens, ["value_weighted", "value_weighted_normalized"], **kw
     )

@@ -61,7 +61,7 @@ def contribution_overview(
     tokens_or_text: str | Sequence[str] | Tensor,
     *,
     layers: int | Sequence[int] | None = None,
-    batch_size: int = 4,
+    batch_size: int = 8,
     extra_hooks: Sequence[FwdHook] = (),
     verbose: bool = False,
 ) -> ContributionOverview:

@@ -3,7 +3,7 @@
 A decoder's faithfulness is ΔPPL of next-token prediction (:mod:`mechgeom.analyses.faithfulness.curves`); an
 encoder (BERT-style, bidirectional attention, e.g. ``"minilm-l6"``) predicts no next token. Its outcome is
 the **sentence embedding** ``e``: the final hidden states mean-pooled over the real (non-padding) tokens
-(sentence-transformers' pooling, :func:`mechgeom.models.encoders.sentence_embedding`). Definition:
+(sentence-transformers' pooling, :func:`mechgeom.encoder_models.sentence_embedding`). Definition:
 
 - **Effect.** "``effect = 1 − cos(e_masked, e_clean)`` per text (0 = no change)", in ``[0, 2]`` (clamped
   there against rounding; NaN where an embedding is the zero vector). A curve is the mean effect over
@@ -13,7 +13,7 @@ the **sentence embedding** ``e``: the final hidden states mean-pooled over the r
   **without renormalising**, as a hook on ``hook_pattern``", at every chosen layer at once
   (:func:`mechgeom.hooks.masking_hooks`); the ranking comes from one clean pass and is never re-ranked.
   Where the model discards ``hook_pattern`` edits (TransformerLens 4's BERT bridge fires the hook after
-  HF's attention has run; 3.x bridges ignore the edit; the model's adapter probes it), the same removal
+  HF's attention has run; 3.x bridges ignore the edit; one probe pass per call finds out), the same removal
   is made at ``hook_z``: ``z[i,h] − sum_j alpha[h,i,j] v[j,h]`` over the removed ``j``, with ``alpha``
   recomputed from ``hook_q``/``hook_k`` of that pass and checked against ``hook_pattern`` every time.
 - **Sources and counting.** An encoder's query sees every key, so the sources of a real query ``i`` of a
@@ -39,26 +39,40 @@ Paper A's claim (contribution most faithful) is judged by the area under each ef
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pandas as pd
 import torch
 
-from mechgeom._progress import progress
+from mechgeom._deprecation import keyword_only
+from mechgeom._io import write_frame
 from mechgeom.analyses.base import Result
 from mechgeom.analyses.contribution.weights import RANKING_METRICS
+from mechgeom.analyses.faithfulness.harness import (
+    Masker,
+    UnitBatch,
+    Units,
+    check_checkpoint,
+    masking_sweep,
+    pattern_masking,
+    record_path,
+    unit_values,
+)
 from mechgeom.analyses.faithfulness.rankings import (
+    DEFAULT_RATES,
     FAITHFULNESS_METRICS,
+    SourceRanking,
     area_ordering,
     check_sweep_settings,
     claimed_order_verdict,
     layers_label,
-    random_scores,
-    ranking_readers,
+    sweep_settings,
     unit_hash,
 )
 from mechgeom.analyses.scoring import bootstrap_ci
@@ -68,29 +82,30 @@ from mechgeom.hooks import (
     expand_kv,
     hook_name,
     is_bidirectional,
-    masking_hooks,
     padding_mask,
-    rank_sources,
     removal_mask,
     to_tokens,
 )
 from mechgeom.models.adapter import adapter
-from mechgeom.typing import Bool, Float, Int, SourceRanks, Tensor, Tokens, Z
+from mechgeom.sweep import Executor
+from mechgeom.typing import Bool, Float, Tensor, Tokens, Z
 
 __all__ = [
     "EMBEDDING_RATES",
+    "EmbeddingChange",
     "EmbeddingFaithfulness",
     "EmbeddingFn",
     "embedding_curves",
     "embedding_effect",
     "embedding_summary",
+    "z_masking",
 ]
 
-#: The default removal rates of :func:`embedding_curves`.
-EMBEDDING_RATES = (0.0, 0.1, 0.25, 0.5, 0.75, 0.9)
+#: The default removal rates of :func:`embedding_curves`: those of every faithfulness sweep, ``0, 0.1, ..., 0.9``.
+EMBEDDING_RATES = DEFAULT_RATES
 
 #: ``embedding_fn(model, tokens, attention_mask, *, fwd_hooks=()) -> [batch, d_model]``, as
-#: :func:`mechgeom.models.encoders.sentence_embedding`.
+#: :func:`mechgeom.encoder_models.sentence_embedding`.
 EmbeddingFn = Callable[..., Float[Tensor, "batch d_model"]]
 
 
@@ -125,6 +140,7 @@ class EmbeddingFaithfulness(Result):
     layers_label: str
     scope: str
     seed: int
+    n_boot: int = 1000
 
     @property
     def n_texts(self) -> int:
@@ -149,12 +165,13 @@ class EmbeddingFaithfulness(Result):
         ]
         return pd.DataFrame(rows)
 
-    def to_frame(self, *, per_text: bool = False, n_boot: int = 1000) -> pd.DataFrame:
+    def to_frame(self, *, per_text: bool = False, n_boot: int | None = None) -> pd.DataFrame:
         """The curves, one row per (metric, mode, rate): ``metric, mode, rate, effect`` (mean over texts),
-        ``ci_low, ci_high`` (95% bootstrap over texts, ``n_boot`` resamples seeded with ``seed``),
-        ``n_texts, layers, scope, seed``. ``per_text=True`` returns :meth:`per_text_frame` instead."""
+        ``ci_low, ci_high`` (95% bootstrap over texts, ``n_boot`` resamples (default: the sweep's) seeded
+        with ``seed``), ``n_texts, layers, scope, seed``. ``per_text=True`` returns :meth:`per_text_frame`."""
         if per_text:
             return self.per_text_frame()
+        n_boot = self.n_boot if n_boot is None else n_boot
         rows = []
         for i, m in enumerate(self.metrics):
             for j, mode in enumerate(self.modes):
@@ -335,76 +352,69 @@ def _masking_path(model: Any, tokens: Tokens, layer: int) -> str:
     raise backend.ignored_edits_error(layer, ("hook_pattern", "hook_z"), "source masking")
 
 
-def _masked_hooks(
-    model: Any, path: str, ranks: dict[int, SourceRanks], rate: float, mode: str, batch: _Batch
-) -> tuple[list[FwdHook], list[_ZSideMask]]:
-    """The removal hooks of one masked pass: on ``hook_pattern`` (:func:`masking_hooks`) or at ``hook_z``."""
-    if path == "pattern":
-        return masking_hooks(
-            model, ranking=_Ranking(ranks), rate=rate, mode=mode, n_sources=batch.n_sources
-        ), []
+def z_masking(
+    model: Any, ranking: SourceRanking, rate: float, mode: str, batch: UnitBatch
+) -> tuple[list[FwdHook], Callable[[], None]]:
+    """Removal at ``hook_z`` (:class:`_ZSideMask`, for a model that discards ``hook_pattern`` edits), and
+    the check that every layer's recomputed pattern was compared with ``hook_pattern``."""
     zs = [
         _ZSideMask(model, la, removal_mask(r, rate, mode, batch.n_sources), batch.mask)
-        for la, r in ranks.items()
+        for la, r in ranking.ranks.items()
     ]
-    return [h for z in zs for h in z.hooks], zs
+
+    def check() -> None:
+        if any(z.checked == 0 for z in zs):
+            raise RuntimeError("masking at hook_z: hook_pattern never fired, so the pattern was not checked")
+
+    return [h for z in zs for h in z.hooks], check
 
 
-@dataclass
-class _Batch:
-    tokens: Tokens
-    mask: Bool[Tensor, "batch pos"]
-    n_sources: Int[Tensor, "batch pos"]
-    clean: Float[Tensor, "batch d_model"]
-    rankings: dict[str, dict[int, SourceRanks]]
-    alias: dict[str, str]
+@dataclass(frozen=True)
+class EmbeddingChange:
+    """The encoders' outcome: the sentence embedding of each text (``embedding_fn``, gradient-free), recorded
+    as ``effect = 1 − cos(masked, clean)`` (0 for the clean pass) with the text's real tokens ``n_tokens``."""
+
+    embedding_fn: EmbeddingFn
+
+    def measure(self, model: Any, batch: UnitBatch, hooks: Sequence[FwdHook]) -> Tensor:
+        with torch.no_grad():
+            return self.embedding_fn(model, batch.tokens, batch.mask.long(), fwd_hooks=list(hooks))
+
+    def clean_columns(self, batch: UnitBatch, clean: Tensor) -> dict[str, Any]:
+        return {"effect": np.zeros(len(batch.idx)), "n_tokens": batch.mask.sum(-1).cpu().numpy()}
+
+    def masked_columns(self, batch: UnitBatch, masked: Tensor, clean: Tensor) -> dict[str, Any]:
+        effect = embedding_effect(masked, clean).numpy()
+        return {"effect": effect, "n_tokens": batch.mask.sum(-1).cpu().numpy()}
 
 
-def _random_ranks(mask: Tensor, hashes: list[str], n_heads: int, *, seed: int, layer: int) -> SourceRanks:
-    """The random control's ranks: noise over each text's real tokens (``random_scores``), padding last."""
-    b, pos = mask.shape
-    scores = torch.zeros(b, n_heads, pos, pos)
-    for t in range(b):
-        real = mask[t].nonzero().flatten().cpu()
-        n = len(real)
-        noise = random_scores(n_heads, n, n, seed=seed, unit_hash=hashes[t], layer=layer)
-        scores[t][:, real[:, None], real[None, :]] = noise
-    return rank_sources(scores.to(mask.device), causal=False, key_mask=mask)
+def _encoder_units(
+    model: Any, tokens_or_text: Tensor | str | Sequence[str], attention_mask: Tensor | None
+) -> Units:
+    """The texts as units: ids and real-token mask on the CPU, named by the hash of their real tokens."""
+    tokens = to_tokens(model, tokens_or_text, what="embedding faithfulness", encoders=True)
+    mask = _check_mask(model, tokens, attention_mask)
+    hashes = [unit_hash(tokens[t][mask[t]]) for t in range(tokens.shape[0])]
+    return Units(tokens=tokens.cpu(), mask=mask.cpu(), hashes=hashes)
 
 
-def _clean_batch(
-    model: Any,
-    tokens: Tokens,
-    mask: Bool[Tensor, "batch pos"],
-    hashes: list[str],
-    *,
-    metrics: tuple[str, ...],
-    layers: list[int],
-    scope: str,
-    seed: int,
-    embedding_fn: EmbeddingFn,
-    extra_hooks: Sequence[FwdHook],
-) -> _Batch:
-    """One clean pass: the clean embedding and every metric's ranks at ``layers`` (``extra_hooks`` first)."""
-    ranks, readers = ranking_readers(
-        model, layers, metrics, scope, lambda s: rank_sources(s, causal=False, key_mask=mask.to(s.device))
-    )
-    hooks: list[FwdHook] = [*extra_hooks, *readers]
-    with torch.no_grad():
-        clean = embedding_fn(model, tokens, mask.long(), fwd_hooks=hooks)
-    if "random" in metrics:
-        n_heads = int(model.cfg.n_heads) if scope == "intra" else 1
-        for layer in layers:
-            ranks["random"][layer] = _random_ranks(mask, hashes, n_heads, seed=seed, layer=layer)
-    alias: dict[str, str] = {}  # metrics whose rankings coincide share their masked passes
-    for m in metrics:
-        alias[m] = next(
-            (a for a in alias.values() if all(torch.equal(ranks[a][la], ranks[m][la]) for la in layers)), m
+def _masker(model: Any, units: Units, layers: list[int], extra_hooks: Sequence[FwdHook]) -> Masker:
+    """:func:`~mechgeom.analyses.faithfulness.harness.pattern_masking`, or :func:`z_masking` where the model
+    discards ``hook_pattern`` edits (one probe pass on the first text); ``extra_hooks`` may not edit the
+    ``hook_z`` that the latter edits."""
+    first = units.tokens[:1][:, units.mask[0]].to(model.cfg.device)
+    if _masking_path(model, first, layers[0]) == "pattern":
+        return pattern_masking
+    clash = sorted({name for name, _ in extra_hooks} & {hook_name(la, "z") for la in layers})
+    if clash:
+        raise ValueError(
+            f"{adapter(model).name} discards hook_pattern edits, so sources are removed at hook_z, where "
+            f"extra_hooks also edit {clash}; give extra_hooks elsewhere (e.g. hook_v) or mask other layers"
         )
-    n_sources = mask.long().sum(-1, keepdim=True) * mask.long()  # [b q]: real keys of a real query, else 0
-    return _Batch(tokens, mask, n_sources, clean, ranks, alias)
+    return z_masking
 
 
+@keyword_only("metrics", "rates", "modes")
 def embedding_curves(
     model: Any,
     tokens_or_text: Tensor | str | Sequence[str],
@@ -417,115 +427,97 @@ def embedding_curves(
     attention_mask: Tensor | None = None,
     batch_size: int = 8,
     seed: int = 0,
+    n_boot: int = 1000,
     embedding_fn: EmbeddingFn | None = None,
+    checkpoint: str | Path | None = None,
     extra_hooks: Sequence[FwdHook] = (),
+    executor: Executor | None = None,
     verbose: bool = False,
 ) -> EmbeddingFaithfulness:
     """Paper A's comprehensiveness and sufficiency curves on an encoder: ``1 − cos(e_masked, e_clean)`` of
     the sentence embedding when each metric's top or bottom ``ceil(rate * n)`` of the ``n`` real sources
     of every real query are removed at ``layers`` (default: all at once); see the module docstring.
 
-    ``tokens_or_text``: texts (the model's tokenizer: ``[CLS] text [SEP]``, right-padded with ``[PAD]``) or
-    ids ``[n_texts, pos]``; ``attention_mask`` (``[n_texts, pos]``, 1 = real token; default: the ``[PAD]``
-    ids, or none) marks padding. One clean pass per batch of ``batch_size`` texts (the clean embedding and
-    every ranking, streamed layer by layer), then one masked pass per (metric, mode, rate > 0); metrics
-    whose rankings coincide on a batch share their passes. ``embedding_fn(model, tokens, attention_mask,
-    *, fwd_hooks)`` gives the embeddings (default :func:`mechgeom.models.encoders.sentence_embedding`);
-    ``extra_hooks`` are attached first in every pass (the curves of the modified model). ``verbose`` shows
-    a progress bar over the passes.
+    A specialisation of the masking harness (:mod:`mechgeom.analyses.faithfulness.harness`), like
+    :func:`~mechgeom.analyses.faithfulness.perplexity_curves`: one clean pass per batch of ``batch_size``
+    texts (the clean embedding and every ranking, streamed layer by layer), then one masked pass per
+    (metric, mode, rate > 0) on the sweep engine; metrics whose rankings coincide on a batch share their
+    passes. ``metrics`` may name any registered ranking method.
 
-    Raises ``TypeError`` for a decoder (use :func:`~mechgeom.analyses.faithfulness.perplexity_curves`) and
-    ``ValueError``/``IndexError`` for a rate outside ``[0, 1]``, an unknown metric, mode or scope, a bad
-    layer, mask or batch size. A model whose forward discards ``hook_pattern`` edits (a bridge; one probe
-    pass finds out) is masked at ``hook_z`` instead (module docstring); ``extra_hooks`` on ``hook_z`` of a
-    masked layer are then refused (``ValueError``), and a model that discards both edits raises
-    ``RuntimeError``. No hook stays attached.
+    Args:
+        model: an encoder (``HookedEncoder`` or a bidirectional bridge).
+        tokens_or_text: texts (the model's tokenizer: ``[CLS] text [SEP]``, right-padded with ``[PAD]``) or
+            ids ``[n_texts, pos]``.
+        metrics, rates, modes, layers, scope, seed: as for ``perplexity_curves``.
+        attention_mask: ``[n_texts, pos]``, 1 = real token (default: the ``[PAD]`` ids, or none).
+        batch_size: texts per clean pass.
+        n_boot: bootstrap resamples of the table's intervals (:meth:`EmbeddingFaithfulness.to_frame`).
+        embedding_fn: ``embedding_fn(model, tokens, attention_mask, *, fwd_hooks)`` gives the embeddings
+            (default :func:`mechgeom.encoder_models.sentence_embedding`); picklable for an executor.
+        checkpoint: ``.csv``/``.parquet``: the table is written there and the per-text record to
+            ``<stem>.per_text<suffix>`` after every pass; a rerun with the same settings (model, layers,
+            scope, seed, ``embedding_fn`` and ``extra_hooks`` by a stable repr) resumes from it, other
+            settings raise ``ValueError``.
+        extra_hooks: attached first in every pass (the curves of the modified model).
+        executor: where the items run (e.g. :class:`mechgeom.sweep.RayExecutor`); the result is the same.
+        verbose: a progress bar over the passes.
+
+    Returns:
+        An :class:`EmbeddingFaithfulness` (``effects[metric, mode, rate, text]``).
+
+    Raises:
+        TypeError: a decoder (use :func:`~mechgeom.analyses.faithfulness.perplexity_curves`).
+        ValueError, IndexError: a rate outside ``[0, 1]``, an unknown metric, mode or scope, a bad layer,
+            mask or batch size; ``extra_hooks`` on ``hook_z`` of a masked layer of a model masked there.
+        RuntimeError: a model that discards both ``hook_pattern`` and ``hook_z`` edits (one probe pass finds
+            out which one reaches the output; a bridge is masked at ``hook_z``, module docstring).
     """
     _check_encoder(model)
-    metrics_t, rates_t, modes_t, chosen, scope = check_sweep_settings(
-        model, metrics, rates, modes, layers, scope, batch_size
-    )
-    tokens = to_tokens(model, tokens_or_text, what="embedding faithfulness", encoders=True)
-    mask = _check_mask(model, tokens, attention_mask)
+    checked = check_sweep_settings(model, metrics, rates, modes, layers, scope, batch_size)
+    metrics_t, rates_t, modes_t, chosen, scope = checked
+    units = _encoder_units(model, tokens_or_text, attention_mask)
     if embedding_fn is None:
-        from mechgeom.models.encoders import sentence_embedding
+        from mechgeom.encoder_models import sentence_embedding
 
         embedding_fn = sentence_embedding
-    path = _masking_path(model, tokens[:1][:, mask[0]], chosen[0])
-    clash = sorted({name for name, _ in extra_hooks} & {hook_name(la, "z") for la in chosen})
-    if path == "z" and clash:
-        raise ValueError(
-            f"{type(model).__name__} discards hook_pattern edits, so sources are removed at hook_z, where "
-            f"extra_hooks also edit {clash}; give extra_hooks elsewhere (e.g. hook_v) or mask other layers"
-        )
-    n = tokens.shape[0]
-    hashes = [unit_hash(tokens[t][mask[t]]) for t in range(n)]
-    effects = np.zeros((len(metrics_t), len(modes_t), len(rates_t), n), dtype=np.float64)
-    keys = [
-        (i, j, k)
-        for i in range(len(metrics_t))
-        for j in range(len(modes_t))
-        for k, r in enumerate(rates_t)
-        if r > 0
-    ]
-    starts = list(range(0, n, int(batch_size)))
-    tasks = [(s, key) for s in starts for key in (None, *keys)]
-    batch: _Batch | None = None
-    shared: dict[tuple[str, str, float], Tensor] = {}
-    for s, key in progress(tasks, desc="embedding faithfulness", enabled=verbose, total=len(tasks)):
-        sl = slice(s, min(s + int(batch_size), n))
-        if key is None:
-            m = mask[sl]
-            pos = int(m.any(0).nonzero().max()) + 1  # drop the columns that are padding in every text
-            batch = _clean_batch(
-                model,
-                tokens[sl, :pos],
-                m[:, :pos],
-                hashes[sl],
-                metrics=metrics_t,
-                layers=chosen,
-                scope=scope,
-                seed=seed,
-                embedding_fn=embedding_fn,
-                extra_hooks=extra_hooks,
-            )
-            shared = {}
-            continue
-        assert batch is not None
-        i, j, k = key
-        metric, mode, rate = batch.alias[metrics_t[i]], modes_t[j], rates_t[k]
-        if (metric, mode, rate) not in shared:
-            masking, zside = _masked_hooks(model, path, batch.rankings[metric], rate, mode, batch)
-            with torch.no_grad():
-                masked = embedding_fn(
-                    model, batch.tokens, batch.mask.long(), fwd_hooks=[*extra_hooks, *masking]
-                )
-            if any(z.checked == 0 for z in zside):
-                raise RuntimeError(
-                    "masking at hook_z: hook_pattern never fired, so the pattern was not checked"
-                )
-            shared[(metric, mode, rate)] = embedding_effect(masked, batch.clean)
-        effects[i, j, k, sl] = shared[(metric, mode, rate)].numpy()
-    return EmbeddingFaithfulness(
+    masker = _masker(model, units, chosen, extra_hooks)
+    path = check_checkpoint(checkpoint)
+    record = masking_sweep(
+        model,
+        units,
+        EmbeddingChange(embedding_fn),
+        checked,
+        seed=seed,
+        batch_size=int(batch_size),
+        settings=sweep_settings(model, chosen, scope, seed, extra_hooks, outcome=embedding_fn),
+        record=None if path is None else record_path(path, "per_text"),
+        extra_hooks=extra_hooks,
+        executor=executor,
+        causal=False,
+        masker=masker,
+        what="embedding faithfulness record",
+        desc="embedding faithfulness",
+        verbose=verbose,
+    )
+    effects = np.zeros((len(metrics_t), len(modes_t), len(rates_t), len(units.hashes)), dtype=np.float64)
+    for (i, m), (j, mode), (k, r) in itertools.product(
+        enumerate(metrics_t), enumerate(modes_t), enumerate(rates_t)
+    ):
+        if r > 0:
+            effects[i, j, k] = unit_values(record, (m, mode, r), units.hashes, "effect")
+    result = EmbeddingFaithfulness(
         metrics=metrics_t,
         modes=modes_t,
         rates=rates_t,
         effects=effects,
-        unit_hashes=hashes,
-        n_tokens=[int(x) for x in mask.sum(-1).tolist()],
+        unit_hashes=units.hashes,
+        n_tokens=units.lengths,
         layers=chosen,
         layers_label=layers_label(model, chosen),
         scope=scope,
         seed=seed,
+        n_boot=n_boot,
     )
-
-
-@dataclass
-class _Ranking:
-    """What :func:`mechgeom.hooks.masking_hooks` reads of a ranking: ``ranks[layer]`` and ``layers``."""
-
-    ranks: dict[int, SourceRanks]
-
-    @property
-    def layers(self) -> list[int]:
-        return list(self.ranks)
+    if path is not None:
+        write_frame(result.to_frame(), path)
+    return result

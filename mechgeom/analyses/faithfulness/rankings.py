@@ -1,28 +1,58 @@
 """Rankings for paper A's faithfulness test (``docs/definitions.md`` §3.2): of the sources of each query, from a clean pass,
 and of the metrics, from the curves of :mod:`mechgeom.analyses.faithfulness.curves`.
 
-**Source rankings.** The sources of each query are ranked by a metric of
-:mod:`mechgeom.analyses.contribution.weights` (intra-head metrics rank per head, inter-head metrics rank once per
-layer and apply to every head) or at random; the masking hooks (:func:`mechgeom.hooks.masking_hooks`)
-then remove the top- or bottom-ranked sources. Conventions fixed here (keyword arguments keep the defaults):
+**Source rankings.** The sources of each query are ranked by a *ranking method*; the masking hooks
+(:func:`mechgeom.hooks.masking_hooks`) then remove the top- or bottom-ranked sources. Conventions fixed here
+(keyword arguments keep the defaults):
 
-- **Clean ranking, no re-ranking.** Rankings are computed once, from a clean forward pass (no hooks of
-  ours; a sweep's ``extra_hooks`` are attached); the masked pass applies that ranking at every chosen
-  layer and never re-ranks, even though the masked pass's own activations at later layers differ from
-  the clean ones.
-- **Ranking.** Per query ``i``, only sources ``j <= i`` are ranked (``j > i`` are never counted and
-  never removed). Sources are sorted by the **signed** metric value, largest first (rank 0 = top), with
-  a stable sort, so ties go to the **lower position first**. A NaN metric value (a zero output norm,
-  see :mod:`mechgeom.analyses.contribution.weights`) ranks **below every finite value**; inside a fully NaN row the
-  order is by position.
+- **Clean ranking, no re-ranking.** Rankings are computed once per batch, from a clean forward pass (no
+  hooks of ours; a sweep's ``extra_hooks`` are attached); the masked pass applies that ranking at every
+  chosen layer and never re-ranks, even though the masked pass's own activations at later layers differ.
+- **Ranking.** A method gives a score per (query, source); per query ``i`` of a decoder only sources
+  ``j <= i`` are ranked (``j > i`` are never counted and never removed), on an encoder every real key.
+  Sources are sorted by the **signed** score, largest first (rank 0 = top), with a stable sort, so ties go
+  to the **lower position first**. A NaN score (a zero output norm, see
+  :mod:`mechgeom.analyses.contribution.weights`) ranks **below every finite value**; inside a fully NaN
+  row the order is by position (:func:`mechgeom.hooks.rank_sources`).
+- **Scope.** ``scope="intra"`` ranks per head; ``scope="inter"`` once per layer, applied to every head.
 - **Per-query normalisation does not change a ranking.** ``value_weighted_normalized`` is
-  ``value_weighted`` divided by one positive number per query (``‖o[i,h]‖`` or ``‖o[i]‖``), so both rank
-  the sources of a query identically (up to ties made by rounding) and give the same curves; sweeps
-  detect identical rankings and run their masked passes once.
-- **Random control.** ``metric="random"`` ranks by uniform noise drawn from a generator seeded with
-  ``(seed, content hash of the text, layer)``: reproducible for a seed, independent of batching.
+  ``value_weighted`` divided by one positive number per query, so both rank the sources of a query
+  identically (up to ties made by rounding); sweeps detect identical rankings and run their masked
+  passes once.
 - **Storage.** Ranks are stored as the per-query rank of each source in the smallest integer dtype
   (uint8 up to 256 positions); the hook builds the boolean mask on the fly from ``(rank, rate, mode)``.
+
+**The registry of ranking methods.** Every source ranking is a method registered under a name;
+:func:`perplexity_curves`, :func:`task_accuracy_curves`, :func:`embedding_curves` and
+:func:`source_rankings` accept any registered name in ``metrics`` (:func:`ranking_methods` lists them).
+Built in:
+
+- the contribution metrics of :mod:`mechgeom.analyses.contribution.weights` (``attention``,
+  ``value_weighted``, ``value_weighted_normalized``, ``contribution`` in both scopes; ``head_share``,
+  ``factor_norm_ratio``, ``factor_cos`` per head only), read by one
+  :class:`~mechgeom.analyses.contribution.weights.ContributionCollector` on the clean pass;
+- ``random``: uniform noise over each text's real tokens, drawn from a generator seeded with
+  ``(seed, content hash of the text's real tokens, layer)``: reproducible for a seed, independent of the
+  batch and of padding.
+
+A new method is one function registered with :func:`register_ranking`::
+
+    @register_ranking("my_scores", scopes=("inter",))
+    def my_scores(request: RankingRequest, names: tuple[str, ...]) -> list[FwdHook]:
+        def read(pattern, hook):                      # [batch, head_index, query_pos, key_pos]
+            layer = int(hook.name.split(".")[1])
+            request.emit("my_scores", layer, pattern.mean(1, keepdim=True))   # [batch, 1, q, k]
+        return [(hook_name(la, "pattern"), read) for la in request.layers]
+
+The function gets a :class:`RankingRequest` (the model, the batch's tokens and real-token mask, the layers,
+scope and seed, the ``extra_hooks`` of the sweep) and the names asked of it, and must call
+``request.emit(name, layer, scores)`` once per name and layer with scores ``[batch, head_index or 1,
+query_pos, key_pos]`` (larger = ranked first; ``[batch, 1, q, k]`` is one ranking for every head). It
+returns the hooks to attach to the clean pass (readers that emit as the pass runs), or emits at once and
+returns ``[]`` (a method that needs no pass, like ``random``, or runs passes of its own, as gradient- or
+value-zeroing methods would; those passes should carry ``request.extra_hooks``). Methods registered with the
+same function are asked together (one collector serves every contribution metric). A method that emits
+nothing for a layer is an error naming it.
 
 A sweep's rankings depend on the model (with its ``extra_hooks``), the layers, the scope and the seed:
 :func:`sweep_settings` is that fingerprint, in a form that is the same in another process.
@@ -32,6 +62,8 @@ claimed order; :func:`area_ordering` orders them by the area under a curve.
 
 >>> rate_key(0.1 + 0.2), unit_hash(torch.tensor([1, 2, 3]))[:1]
 (0.3, 'u')
+>>> ranking_methods("inter")
+('attention', 'value_weighted', 'value_weighted_normalized', 'contribution', 'random')
 """
 
 from __future__ import annotations
@@ -42,12 +74,13 @@ import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import pandas as pd
 import torch
 
+from mechgeom._deprecation import keyword_only
 from mechgeom.analyses.base import Result
 from mechgeom.analyses.contribution.weights import (
     INTER_METRICS,
@@ -55,7 +88,6 @@ from mechgeom.analyses.contribution.weights import (
     RANKING_METRICS,
     ContributionCollector,
 )
-from mechgeom.analyses.scoring import target_logprob
 from mechgeom.hooks import (
     MODES,
     FwdHook,
@@ -65,24 +97,39 @@ from mechgeom.hooks import (
     rank_sources,
     removal_mask,
     resolve_layers,
+    run_hooks,
     to_tokens,
 )
 from mechgeom.sweep import model_label
-from mechgeom.typing import Bool, Float, Int, SourceRanks, Tensor, Tokens
+from mechgeom.typing import Bool, Float, SourceRanks, Tensor, Tokens
 
 __all__ = [
+    "DEFAULT_RATES",
     "FAITHFULNESS_METRICS",
     "SCOPES",
+    "RankingMethod",
+    "RankingPass",
+    "RankingRequest",
+    "RankingScorer",
     "SourceRanking",
+    "SweepSettings",
     "area_ordering",
     "faithfulness_summary",
+    "random_scores",
+    "ranking_method",
+    "ranking_methods",
+    "register_ranking",
     "source_rankings",
+    "sweep_settings",
+    "unit_hash",
 ]
 
 #: Intra-head metrics rank per head; inter-head metrics rank once per layer and apply to all heads.
 SCOPES = ("intra", "inter")
 #: The metrics compared by default: paper A's four, in its claimed order, and the random control.
 FAITHFULNESS_METRICS = (*RANKING_METRICS, "random")
+#: The removal rates ``0, 0.1, ..., 0.9`` (``docs/definitions.md`` §3.3), the default of every faithfulness sweep.
+DEFAULT_RATES = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
 
 
 # --------------------------------------------------------------------------- validation
@@ -117,7 +164,7 @@ def _check_scope(scope: str) -> str:
 def _check_metrics(metrics: Sequence[str], scope: str) -> tuple[str, ...]:
     if isinstance(metrics, str):
         metrics = (metrics,)
-    allowed = (*(INTRA_METRICS if scope == "intra" else INTER_METRICS), "random")
+    allowed = ranking_methods(scope)
     unknown = [m for m in metrics if m not in allowed]
     if unknown:
         raise ValueError(f"unknown {scope}-head ranking metric(s) {unknown}; choose from {list(allowed)}")
@@ -132,6 +179,16 @@ def rate_key(rate: float) -> float:
     return round(float(rate), 10)
 
 
+class SweepSettings(NamedTuple):
+    """A masking sweep's settings, checked (:func:`check_sweep_settings`)."""
+
+    metrics: tuple[str, ...]
+    rates: tuple[float, ...]
+    modes: tuple[str, ...]
+    layers: list[int]
+    scope: str
+
+
 def check_sweep_settings(
     model: Any,
     metrics: Sequence[str],
@@ -140,7 +197,7 @@ def check_sweep_settings(
     layers: int | Sequence[int] | None,
     scope: str,
     batch_size: int,
-) -> tuple[tuple[str, ...], tuple[float, ...], tuple[str, ...], list[int], str]:
+) -> SweepSettings:
     """The settings of a sweep, checked: metrics, rates and modes deduplicated in order, the layers.
 
     A decoder sweep checks the model with :func:`~mechgeom.hooks.check_decoder` first; the encoder curves
@@ -153,7 +210,7 @@ def check_sweep_settings(
     chosen = resolve_layers(model, layers)
     if int(batch_size) < 1:
         raise ValueError(f"batch_size must be at least 1, got {batch_size}")
-    return metrics_t, rates_t, modes_t, chosen, scope
+    return SweepSettings(metrics_t, rates_t, modes_t, chosen, scope)
 
 
 # --------------------------------------------------------------------------- the ranking
@@ -236,7 +293,7 @@ class SourceRanking(Result):
         return pd.concat(frames, ignore_index=True)
 
 
-# --------------------------------------------------------------------------- rankings from a clean pass
+# --------------------------------------------------------------------------- the registry of ranking methods
 
 
 def unit_hash(tokens: Tensor, n_context: int = 0) -> str:
@@ -244,6 +301,117 @@ def unit_hash(tokens: Tensor, n_context: int = 0) -> str:
     h = hashlib.sha1(np.asarray(tokens.detach().cpu(), dtype=np.int64).tobytes())
     h.update(str(n_context).encode())
     return "u" + h.hexdigest()[:16]  # the prefix keeps CSV readers from parsing it as a number
+
+
+@dataclass(frozen=True)
+class RankingRequest:
+    """What a ranking method is given for one batch of texts (see the module docstring).
+
+    ``tokens`` are ``[batch, pos]`` ids, right-padded, on the model's device; ``key_mask`` marks the real
+    tokens (a decoder's are a prefix of each row; an encoder's padding is False); ``text_hashes`` are the
+    content hashes of each text's real tokens (:func:`unit_hash`), which seed anything random. ``causal``
+    is False on an encoder (every real key is a source of every real query). ``emit(name, layer, scores)``
+    takes ``[batch, head_index or 1, query_pos, key_pos]`` scores, larger = ranked first.
+    """
+
+    model: Any
+    tokens: Tokens
+    key_mask: Bool[Tensor, "batch pos"]
+    layers: list[int]
+    scope: str
+    seed: int
+    causal: bool
+    text_hashes: list[str]
+    extra_hooks: tuple[FwdHook, ...]
+    emit: Callable[[str, int, Tensor], None]
+
+    @property
+    def n_heads(self) -> int:
+        """Rankings per layer: the model's heads for ``scope="intra"``, 1 for ``"inter"``."""
+        return int(self.model.cfg.n_heads) if self.scope == "intra" else 1
+
+
+#: ``scorer(request, names) -> hooks``: scores of the methods ``names`` for one batch, emitted through
+#: ``request.emit`` (by hooks on the clean pass, or at once); see the module docstring.
+RankingScorer = Callable[[RankingRequest, tuple[str, ...]], Sequence[FwdHook]]
+
+
+@dataclass(frozen=True)
+class RankingMethod:
+    """A registered source ranking: its name, the function that scores it and the scopes it supports."""
+
+    name: str
+    scorer: RankingScorer
+    scopes: tuple[str, ...] = SCOPES
+    description: str = ""
+
+
+_METHODS: dict[str, RankingMethod] = {}
+
+
+def register_ranking(
+    name: str,
+    scorer: RankingScorer | None = None,
+    *,
+    scopes: Sequence[str] = SCOPES,
+    description: str = "",
+    replace: bool = False,
+) -> Any:
+    """Register the ranking method ``name``, scored by ``scorer`` (directly or as a decorator).
+
+    Args:
+        name: what ``metrics=`` calls it (not ``"clean"``, which names a sweep's clean pass).
+        scorer: ``scorer(request, names) -> hooks`` (see the module docstring); methods registered with the
+            same function are scored together on one clean pass.
+        scopes: the scopes it ranks in, a subset of :data:`SCOPES`.
+        description: one line for :func:`ranking_methods` listings and error messages.
+        replace: allow replacing a registered method (else ``ValueError``).
+
+    Returns:
+        ``scorer`` (so the decorator form leaves the function as it is).
+    """
+    if scorer is None:
+        return partial(register_ranking, name, scopes=scopes, description=description, replace=replace)
+    if not isinstance(name, str) or not name or name == "clean":
+        raise ValueError(f"a ranking method needs a non-empty name other than 'clean', got {name!r}")
+    if not callable(scorer):
+        raise TypeError(f"the scorer of {name!r} must be callable, got {type(scorer).__name__}")
+    bad = [s for s in scopes if s not in SCOPES]
+    if bad or not scopes:
+        raise ValueError(
+            f"scopes of {name!r} must be a non-empty subset of {list(SCOPES)}, got {list(scopes)}"
+        )
+    if name in _METHODS and not replace:
+        raise ValueError(f"a ranking method {name!r} is registered already; pass replace=True to replace it")
+    _METHODS[name] = RankingMethod(name, scorer, tuple(scopes), description)
+    return scorer
+
+
+def ranking_methods(scope: str | None = None) -> tuple[str, ...]:
+    """The registered ranking methods (those ranking in ``scope`` when given), in registration order."""
+    return tuple(m.name for m in _METHODS.values() if scope is None or scope in m.scopes)
+
+
+def ranking_method(name: str) -> RankingMethod:
+    """The registered method ``name``; ``ValueError`` lists the registered names."""
+    try:
+        return _METHODS[name]
+    except KeyError:
+        raise ValueError(f"unknown ranking method {name!r}; registered: {list(ranking_methods())}") from None
+
+
+def contribution_scores(request: RankingRequest, names: tuple[str, ...]) -> list[FwdHook]:
+    """The contribution metrics ``names`` of every layer, from one :class:`ContributionCollector` on the
+    clean pass (intra: ``[batch, head, q, k]``; inter: ``[batch, 1, q, k]``, one ranking for every head)."""
+    scope = request.scope
+
+    def on_layer(layer: int, out: dict[str, dict[str, Tensor]]) -> None:
+        for m, scores in out[scope].items():  # intra: [batch, head, q, k]; inter: [batch, q, k]
+            request.emit(m, layer, scores if scope == "intra" else scores[:, None])
+
+    intra, inter = (list(names), []) if scope == "intra" else ([], list(names))
+    col = ContributionCollector(request.model, request.layers, intra=intra, inter=inter, on_layer=on_layer)
+    return col.fwd_hooks
 
 
 def random_scores(
@@ -257,114 +425,171 @@ def random_scores(
     return out
 
 
-def ranking_readers(
-    model: Any,
-    layers: list[int],
-    metrics: Sequence[str],
-    scope: str,
-    rank: Callable[[Tensor], Tensor],
-) -> tuple[dict[str, dict[int, Tensor]], list[FwdHook]]:
-    """The readers of a clean pass that rank every query's sources by each geometric metric of ``metrics``
-    (``"random"`` is left to the caller): ``({metric: {layer: ranks}}, hooks)``, filled as the pass runs.
-
-    ``rank`` turns ``[batch, head or 1, q, k]`` scores into ranks (``scope="intra"``: one ranking per head;
-    ``"inter"``: the layer's, shared by all heads)."""
-    ranks: dict[str, dict[int, Tensor]] = {m: {} for m in metrics}
-    geo = [m for m in metrics if m != "random"]
-    if not geo:
-        return ranks, []
-
-    def on_layer(layer: int, out: dict[str, dict[str, Tensor]]) -> None:
-        for m, scores in out[scope].items():  # intra: [batch, head, q, k]; inter: [batch, q, k]
-            ranks[m][layer] = rank(scores if scope == "intra" else scores[:, None])
-
-    intra, inter = (geo, []) if scope == "intra" else ([], geo)
-    col = ContributionCollector(model, layers, intra=intra, inter=inter, on_layer=on_layer)
-    return ranks, col.fwd_hooks
-
-
-def clean_pass(
-    model: Any,
-    tokens: Tokens,
-    targets: Bool[Tensor, "batch pos_minus_1"],
-    metrics: Sequence[str],
-    *,
-    scope: str,
-    layers: list[int],
-    seed: int,
-    lengths: list[int],
-    store_device: str | torch.device = "cpu",
-    extra_hooks: Sequence[FwdHook] = (),
-) -> tuple[dict[str, SourceRanking], Float[Tensor, " batch"], Int[Tensor, " batch"]]:
-    """One clean forward: every ranking of ``metrics`` at ``layers`` and the clean target log-likelihood.
-
-    ``extra_hooks`` are attached first (before the metric readers on the same hook point)."""
-    # the random control is seeded by each text's content (its unpadded tokens), not by its batch slot
-    unit_hashes = [unit_hash(tokens[b, : lengths[b]]) for b in range(tokens.shape[0])]
-    ranks, readers = ranking_readers(
-        model, layers, metrics, scope, lambda scores: rank_sources(scores).to(store_device)
-    )
-    hooks: list[FwdHook] = [*extra_hooks, *readers]
-    logprob = target_logprob(model, tokens, targets, hooks)
-    if "random" in metrics:
-        n_heads = int(model.cfg.n_heads) if scope == "intra" else 1
-        pos = tokens.shape[1]
-        for layer in layers:
-            scores = torch.stack(
-                [
-                    random_scores(n_heads, lengths[b], pos, seed=seed, unit_hash=unit_hashes[b], layer=layer)
-                    for b in range(tokens.shape[0])
-                ]
+def random_control(request: RankingRequest, names: tuple[str, ...]) -> list[FwdHook]:
+    """The random control: per text, :func:`random_scores` over its real tokens (0 at padding); no pass."""
+    b, pos = request.tokens.shape
+    for layer in request.layers:
+        scores = torch.zeros(b, request.n_heads, pos, pos)
+        for t in range(b):
+            real = request.key_mask[t].nonzero().flatten().cpu()
+            n = len(real)
+            noise = random_scores(
+                request.n_heads, n, n, seed=request.seed, unit_hash=request.text_hashes[t], layer=layer
             )
-            ranks["random"][layer] = rank_sources(scores).to(store_device)
-    rankings = {
-        m: SourceRanking(
-            metric=m,
-            scope=scope,
-            ranks={la: ranks[m][la] for la in layers},
-            seed=seed if m == "random" else None,
-            unit_hashes=list(unit_hashes),
+            scores[t][:, real[:, None], real[None, :]] = noise
+        for name in names:
+            request.emit(name, layer, scores)
+    return []
+
+
+for _name in INTRA_METRICS:
+    register_ranking(
+        _name,
+        contribution_scores,
+        scopes=SCOPES if _name in INTER_METRICS else ("intra",),
+        description=f"the contribution metric {_name!r} (mechgeom.analyses.contribution.weights)",
+    )
+register_ranking("random", random_control, description="uniform noise seeded by (seed, text, layer)")
+
+
+# --------------------------------------------------------------------------- rankings of one batch
+
+
+class RankingPass:
+    """Every requested method's rankings of one batch of texts: :attr:`hooks` go on the batch's clean pass
+    (after the sweep's ``extra_hooks``), then :meth:`rankings` returns one :class:`SourceRanking` per name.
+
+    Args:
+        model: the model the clean pass runs.
+        tokens: ``[batch, pos]`` ids, right-padded.
+        key_mask: ``[batch, pos]`` real tokens (default: every position).
+        names: registered method names (checked by :func:`check_sweep_settings`).
+        layers, scope, seed: what to rank, per head or per layer, and the random control's seed.
+        causal: False on an encoder (every real key is a source; padded keys rank last).
+        extra_hooks: the sweep's interventions (methods that run passes of their own attach them).
+        store_device: where the ranks are kept (the model's device in a sweep).
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        tokens: Tokens,
+        names: Sequence[str],
+        *,
+        layers: list[int],
+        scope: str,
+        seed: int,
+        key_mask: Bool[Tensor, "batch pos"] | None = None,
+        causal: bool = True,
+        extra_hooks: Sequence[FwdHook] = (),
+        store_device: str | torch.device = "cpu",
+    ) -> None:
+        mask = (
+            torch.ones(tokens.shape, dtype=torch.bool, device=tokens.device) if key_mask is None else key_mask
         )
-        for m in metrics
-    }
-    return rankings, logprob, targets.sum(-1)
+        self.layers, self.scope, self.seed, self.causal = list(layers), scope, seed, causal
+        self.key_mask, self.store_device = mask, store_device
+        self.shape = (
+            int(tokens.shape[0]),
+            int(model.cfg.n_heads) if scope == "intra" else 1,
+            int(tokens.shape[1]),
+        )
+        # the random control is seeded by each text's content (its real tokens), not by its batch slot
+        self.text_hashes = [unit_hash(tokens[t][mask[t]]) for t in range(tokens.shape[0])]
+        self.ranks: dict[str, dict[int, Tensor]] = {m: {} for m in names}
+        request = RankingRequest(
+            model,
+            tokens,
+            mask,
+            self.layers,
+            scope,
+            seed,
+            causal,
+            self.text_hashes,
+            tuple(extra_hooks),
+            self.emit,
+        )
+        groups: dict[Any, list[str]] = {}
+        for m in names:
+            groups.setdefault(ranking_method(m).scorer, []).append(m)
+        self.hooks: list[FwdHook] = []
+        for scorer, group in groups.items():
+            self.hooks += list(scorer(request, tuple(group)))
+
+    def emit(self, name: str, layer: int, scores: Tensor) -> None:
+        """Rank ``scores`` ``[batch, head_index or 1, q, k]`` of method ``name`` at ``layer`` and keep the ranks."""
+        if name not in self.ranks or layer not in self.layers:
+            raise ValueError(
+                f"a ranking method emitted {name!r} at layer {layer}; asked for {list(self.ranks)} at {self.layers}"
+            )
+        b, heads, pos = self.shape
+        if (
+            scores.ndim != 4
+            or scores.shape[0] != b
+            or scores.shape[1] not in (1, heads)
+            or scores.shape[2:] != (pos, pos)
+        ):
+            raise ValueError(
+                f"ranking method {name!r} emitted scores of shape {tuple(scores.shape)} at layer {layer}; need "
+                f"[batch={b}, head_index={heads} or 1, query_pos={pos}, key_pos={pos}]"
+            )
+        if self.causal:
+            ranks = rank_sources(scores)
+        else:
+            ranks = rank_sources(scores, causal=False, key_mask=self.key_mask.to(scores.device))
+        self.ranks[name][layer] = ranks.to(self.store_device)
+
+    def rankings(self) -> dict[str, SourceRanking]:
+        """One :class:`SourceRanking` per name, once the clean pass has run.
+
+        Raises:
+            RuntimeError: a method emitted no scores for some layer.
+        """
+        for m, by_layer in self.ranks.items():
+            missing = [la for la in self.layers if la not in by_layer]
+            if missing:
+                raise RuntimeError(f"ranking method {m!r} gave no scores for layer(s) {missing}")
+        return {
+            m: SourceRanking(
+                metric=m,
+                scope=self.scope,
+                ranks={la: by_layer[la] for la in self.layers},
+                seed=self.seed if m == "random" else None,
+                unit_hashes=list(self.text_hashes),
+            )
+            for m, by_layer in self.ranks.items()
+        }
 
 
+@keyword_only("metrics")
 def source_rankings(
     model: Any,
     tokens_or_text: str | Sequence[str] | Tensor,
-    metrics: Sequence[str] = FAITHFULNESS_METRICS,
     *,
+    metrics: Sequence[str] = FAITHFULNESS_METRICS,
     scope: str = "intra",
     layers: int | Sequence[int] | None = None,
     seed: int = 0,
     extra_hooks: Sequence[FwdHook] = (),
 ) -> dict[str, SourceRanking]:
-    """Rankings of every metric at ``layers`` (default: all) from one clean forward pass.
+    """Rankings of every method of ``metrics`` at ``layers`` (default: all) from one clean forward pass.
 
     Intra-head metrics (``scope="intra"``, the default) give one ranking per head; inter-head metrics
     (``scope="inter"``) one per layer, applied to every head. ``"random"`` draws uniform noise seeded by
     ``(seed, text content, layer)``. Ties: lower position first; NaN ranks last (see the module docs).
     ``extra_hooks`` run in the same pass, before the metric readers (the ranking of a modified model).
+    ``metrics`` may name any registered method (:func:`ranking_methods`).
     """
     scope = _check_scope(scope)
     metrics = _check_metrics(metrics, scope)
     tokens = to_tokens(model, tokens_or_text)
     chosen = resolve_layers(model, layers)
-    targets = torch.ones(tokens.shape[0], max(tokens.shape[1] - 1, 0), dtype=torch.bool, device=tokens.device)
-    rankings, _, _ = clean_pass(
-        model,
-        tokens,
-        targets,
-        metrics,
-        scope=scope,
-        layers=chosen,
-        seed=seed,
-        lengths=[tokens.shape[1]] * tokens.shape[0],
+    ranked = RankingPass(
+        model, tokens, metrics, layers=chosen, scope=scope, seed=seed, extra_hooks=extra_hooks,
         store_device=tokens.device,
-        extra_hooks=extra_hooks,
-    )
-    return rankings
+    )  # fmt: skip
+    run_hooks(model, tokens, [*extra_hooks, *ranked.hooks])
+    return ranked.rankings()
 
 
 # --------------------------------------------------------------------------- what a ranking depends on
@@ -402,15 +627,30 @@ def _hooks_label(hooks: Sequence[FwdHook]) -> str:
 
 
 def sweep_settings(
-    model: Any, layers: list[int], scope: str, seed: int, extra_hooks: Sequence[FwdHook] = ()
+    model: Any,
+    layers: list[int],
+    scope: str,
+    seed: int,
+    extra_hooks: Sequence[FwdHook] = (),
+    *,
+    outcome: Any = None,
 ) -> dict[str, Any]:
     """What a resumed sweep must match: the model, layers, ranking scope and seed. ``extra_hooks`` make
     another model: their stable repr is appended to the model's label (a run without hooks keeps the
-    plain label, so earlier records still resume, and a record with hooks refuses a run without)."""
+    plain label, so earlier records still resume, and a record with hooks refuses a run without).
+    ``outcome`` (e.g. an encoder sweep's embedding function) adds an ``outcome`` entry, by its stable repr."""
     label = model_label(model)
     if extra_hooks:
         label += f" + extra_hooks {_hooks_label(extra_hooks)}"
-    return {"model": label, "layers": layers_label(model, layers), "scope": scope, "seed": seed}
+    settings: dict[str, Any] = {
+        "model": label,
+        "layers": layers_label(model, layers),
+        "scope": scope,
+        "seed": seed,
+    }
+    if outcome is not None:
+        settings["outcome"] = _stable_repr(outcome)
+    return settings
 
 
 # --------------------------------------------------------------------------- ranking the metrics

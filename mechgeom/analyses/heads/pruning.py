@@ -46,7 +46,7 @@ from mechgeom.analyses.heads.removal import COPIES_PER_BATCH, batched_head_nll, 
 from mechgeom.analyses.heads.stats import HeadStats
 from mechgeom.analyses.scoring import encode_choices, task_accuracy, text_nll, token_nll
 from mechgeom.data import TaskItem
-from mechgeom.hooks import FwdHook, Head, head_ablation_hooks, resolve_head_set, to_tokens
+from mechgeom.hooks import FwdHook, Head, TokensOrText, head_ablation_hooks, resolve_head_set, to_tokens
 from mechgeom.hooks.interventions import HeadAblationMode as AblationMode
 from mechgeom.models.adapter import adapter
 from mechgeom.sweep import Executor, Item, RowStore, executor_for, model_label, run_sweep, tokens_hash
@@ -234,7 +234,7 @@ class SingleHeadResult(Result):
 
 def single_head_sweep(
     model: Any,
-    tokens: Tokens,
+    tokens_or_text: TokensOrText,
     *,
     heads: Iterable[Head] | None = None,
     mode: AblationMode = "zero",
@@ -260,7 +260,7 @@ def single_head_sweep(
     :class:`mechgeom.sweep.RayExecutor`, each worker loading the same model by name and caching the
     residual stream). ``verbose`` progress counts layers.
     """
-    tokens = to_tokens(model, tokens, min_pos=2, what="the single-head sweep (a token to predict)")
+    tokens = to_tokens(model, tokens_or_text, min_pos=2, what="the single-head sweep (a token to predict)")
     n_layers, n_heads, n_texts = int(model.cfg.n_layers), int(model.cfg.n_heads), tokens.shape[0]
     wanted = resolve_head_set(model, all_heads(model) if heads is None else heads)
     head_ablation_hooks(model, [], mode=mode, means=means)  # checks mode and means before any work

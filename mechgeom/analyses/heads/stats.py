@@ -171,7 +171,7 @@ class HeadStatsCollector(Collector):
         *,
         start_pos: int = 0,
         taxonomy: bool = False,
-        sink_positions: Sequence[int] = (0,),
+        sink_positions: int | Sequence[int] | None = None,
     ) -> None:
         if start_pos < 0:
             raise ValueError(f"start_pos must be >= 0, got {start_pos}")
@@ -215,7 +215,9 @@ class HeadStatsCollector(Collector):
         )
 
 
-def _check_positions(n_pos: int, start_pos: int, taxonomy: bool, sink_positions: Sequence[int]) -> None:
+def _check_positions(
+    n_pos: int, start_pos: int, taxonomy: bool, sink_positions: int | Sequence[int] | None
+) -> None:
     if not 0 <= start_pos < n_pos:
         raise ValueError(f"start_pos={start_pos} leaves no position of {n_pos}")
     if taxonomy:
@@ -238,7 +240,7 @@ def head_stats(
     start_pos: int = 0,
     batch_size: int = 8,
     taxonomy: bool = True,
-    sink_positions: Sequence[int] = (0,),
+    sink_positions: int | Sequence[int] | None = None,
 ) -> HeadStats:
     """Reference statistics of every head of ``layers`` over ``tokens`` ``[n_texts, pos]``, one pass per batch.
 
@@ -296,7 +298,7 @@ def head_stats_from_cache(
     *,
     start_pos: int = 0,
     taxonomy: bool = True,
-    sink_positions: Sequence[int] = (0,),
+    sink_positions: int | Sequence[int] | None = None,
 ) -> HeadStats:
     """Deprecated: ``head_stats(model, None, cache=cache, ...)`` gives the same statistics."""
     warn_deprecated("head_stats_from_cache(model, cache)", "head_stats(model, tokens, cache=cache)")

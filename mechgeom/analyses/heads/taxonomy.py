@@ -127,7 +127,7 @@ def layer_taxonomy(
     z: Z | None = None,
     W_O: WO | None = None,
     *,
-    sink_positions: Sequence[int] = (0,),
+    sink_positions: int | Sequence[int] | None = None,
     modified: Bool[Tensor, "batch head_index query_pos"] | None = None,
 ) -> dict[str, Tensor]:
     """Per-head sums for one layer: winner counts, sink mass and (with ``z``, ``W_O``) alignments.
@@ -285,7 +285,7 @@ class TaxonomyCollector(Collector):
         model: Any,
         layers: int | Sequence[int] | None = None,
         *,
-        sink_positions: Sequence[int] = (0,),
+        sink_positions: int | Sequence[int] | None = None,
         keep_winners: bool = False,
         corpus: str = "",
     ) -> None:
@@ -337,7 +337,7 @@ def classify_heads(
     cache: Any = None,
     extra_hooks: Sequence[FwdHook] = (),
     verbose: bool = False,
-    sink_positions: Sequence[int] = (0,),
+    sink_positions: int | Sequence[int] | None = None,
     batch_size: int = 8,
     keep_winners: bool = False,
     corpus: str = "",
@@ -391,7 +391,7 @@ def classify_heads_from_cache(
     cache: Any,
     *,
     layers: int | Sequence[int] | None = None,
-    sink_positions: Sequence[int] = (0,),
+    sink_positions: int | Sequence[int] | None = None,
     keep_winners: bool = False,
     tokens: Tokens | None = None,
     corpus: str = "",

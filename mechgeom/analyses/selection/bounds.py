@@ -139,7 +139,7 @@ class BoundParams:
 
 def fit_bound_params(
     v: Values,
-    sink_positions: Sequence[int] = (0,),
+    sink_positions: int | Sequence[int] | None = None,
     *,
     metric: Float[Tensor, "head_index d_head d_head"] | None = None,
     dtype: torch.dtype = torch.float64,

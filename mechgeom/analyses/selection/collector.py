@@ -15,8 +15,9 @@ Choices fixed here (all keyword arguments):
   the sink is excluded) has no ``I_N``; all its outputs for that ``N`` are NaN and the means in
   :meth:`SelectionResult.to_frame` skip it (``n_queries`` counts the rest). A query with exactly ``N``
   sources has ``I_N`` = all of them and ``F_N = 1`` trivially.
-- **Sink**: ``sink_positions=(0,)``. "Without the sink" is the same computation with the sink positions
-  removed from the candidate sources (neither in ``I_N`` nor classified; ``alpha`` is not renormalised).
+- **Sink**: ``sink_positions`` (default ``None``: each text's first position, ``(0,)``). "Without the sink"
+  is the same computation with the sink positions removed from the candidate sources (neither in ``I_N``
+  nor classified; ``alpha`` is not renormalised).
 - **Random baseline**: ``n_random`` uniformly random ``N``-subsets of the candidates per query (one
   random permutation per draw, reused for every ``N``; seeded by ``seed`` and the layer).
 - **Cost**: everything is ``[batch, head, q, k]`` work plus ``[batch, head, q, d]`` vectors. Projected
@@ -177,7 +178,7 @@ def layer_selection(
     W_O: WO | None = None,
     projected: bool = False,
     ns: Sequence[int] = DEFAULT_NS,
-    sink_positions: Sequence[int] = (0,),
+    sink_positions: int | Sequence[int] | None = None,
     n_random: int = 4,
     seed: int = 0,
     bound: bool = True,
@@ -473,7 +474,7 @@ class SelectionCollector(Collector):
         *,
         projected: bool = False,
         ns: Sequence[int] = DEFAULT_NS,
-        sink_positions: Sequence[int] = (0,),
+        sink_positions: int | Sequence[int] | None = None,
         n_random: int = 4,
         seed: int = 0,
         bound: bool = True,
@@ -489,7 +490,7 @@ class SelectionCollector(Collector):
         self.kwargs: dict[str, Any] = {
             "projected": projected,
             "ns": self.ns,
-            "sink_positions": tuple(sink_positions),
+            "sink_positions": check_sink_positions(sink_positions),
             "n_random": n_random,
             "bound": bound,
             "query_stride": query_stride,

@@ -24,6 +24,7 @@ import numpy as np
 import pandas as pd
 import torch
 
+from mechgeom._deprecation import keyword_only
 from mechgeom._progress import progress
 from mechgeom.analyses.base import Collector, Result, collect
 from mechgeom.analyses.contribution import LayerGeometry
@@ -173,11 +174,12 @@ def convex_minimiser(sq_sink: Tensor, cross: Tensor, sq_mean: Tensor) -> Tensor:
     return torch.where(den > 0, (sq_mean - cross) / torch.where(den > 0, den, 1), torch.nan)
 
 
+@keyword_only("s_values")
 def convexity_by_intervention(
     model: Any,
     tokens_or_text: TokensOrText,
-    s_values: Sequence[float],
     *,
+    s_values: Sequence[float],
     layer: int,
     heads: int | Sequence[int] | None = None,
     sink_positions: int | Sequence[int] | None = None,
@@ -448,12 +450,13 @@ class ConvexityCheck(Result):
         }
 
 
+@keyword_only("heads", "s_values")
 def convexity_check(
     model: Any,
     tokens_or_text: TokensOrText,
+    *,
     heads: Sequence[tuple[int, int]],
     s_values: Sequence[float],
-    *,
     stats: ConvexityTerms | None = None,
     sink_positions: int | Sequence[int] | None = None,
     verbose: bool = False,
@@ -493,7 +496,7 @@ def convexity_check(
     norms = {}
     for layer, head in progress(pairs, desc="convexity", enabled=verbose):
         meas = convexity_by_intervention(
-            model, tokens, s_list, layer=layer, heads=[head], sink_positions=stats.sink_positions
+            model, tokens, s_values=s_list, layer=layer, heads=[head], sink_positions=stats.sink_positions
         )  # [grid batch head q]
         norms[(layer, head)] = meas[:, :, head]
     return ConvexityCheck(heads=pairs, s_values=s_list, norms=norms, stats=stats)

@@ -1,23 +1,33 @@
 """``mechgeom run <analysis>``: one full analysis on one model, written under ``results/<analysis>/<model>/``.
 
-Each module here composes one analysis (its entry points, ``Result.summary()`` and the figures of
-:mod:`mechgeom.viz`) into tables, figures and a ``summary.json``; it computes nothing itself. A module gives
-``HELP`` (one line), ``add_arguments(parser)`` and ``run(args) -> int``; ``scripts/run_<analysis>.py`` are
-thin wrappers over the same verbs.
+Each module here is the command-line front of one analysis: its options (``HELP``, ``add_arguments``) and
+``run(args) -> int``, which loads the model and the windows, calls the analysis' driver
+(:mod:`mechgeom.report.drivers`, the same code as the report's stage) and writes the driver's output under
+this verb's file names (:class:`RunDir`), with a ``summary.json``. ``scripts/run_<analysis>.py`` are thin
+wrappers over the same verbs. The modules import nothing heavy until ``run`` is called, so the parser of
+``mechgeom`` builds without torch.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
-from collections.abc import Callable
+import json
+import logging
+from collections.abc import Callable, Mapping
+from pathlib import Path
 from types import ModuleType
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    from mechgeom.report.base import StageOutput
 
-__all__ = ["RUNS", "common_arguments", "run_module", "run_with_threads"]
+__all__ = ["RUNS", "RunDir", "run_module", "run_with_threads"]
 
+#: The analyses of ``mechgeom run``.
 RUNS = ("faithfulness", "sinks", "selection", "pruning", "encoder")
+
+logger = logging.getLogger("mechgeom")
 
 
 def run_module(name: str) -> ModuleType:
@@ -27,20 +37,10 @@ def run_module(name: str) -> ModuleType:
     return importlib.import_module(f"mechgeom.report.runs.{name}")
 
 
-def common_arguments(
-    parser: argparse.ArgumentParser, *, out: str, batch_size: int = 8, threads: int = 1
-) -> None:
-    """The options every run verb has: ``--model``, ``--out`` (default ``out``), ``--seed``, ``--batch-size``
-    and ``--threads``."""
-    parser.add_argument("--model", default="smollm2-135m")
-    parser.add_argument("--out", default=out)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--batch-size", type=int, default=batch_size)
-    parser.add_argument("--threads", type=int, default=threads)
-
-
 def run_with_threads(args: argparse.Namespace, body: Callable[[argparse.Namespace], None]) -> int:
     """``body(args)`` with torch limited to ``args.threads`` threads (restored afterwards); returns 0."""
+    import torch
+
     threads = torch.get_num_threads()
     torch.set_num_threads(args.threads)
     try:
@@ -48,3 +48,46 @@ def run_with_threads(args: argparse.Namespace, body: Callable[[argparse.Namespac
     finally:
         torch.set_num_threads(threads)
     return 0
+
+
+class RunDir:
+    """Where a run verb writes: ``<args.out>/<args.model>/``."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.path = Path(args.out) / args.model
+
+    def __truediv__(self, name: str) -> Path:
+        return self.path / name
+
+    def write(
+        self,
+        output: StageOutput,
+        tables: Mapping[str, str],
+        figures: Mapping[str, str] | None = None,
+        *,
+        dpi: int = 100,
+    ) -> None:
+        """Write the driver's ``tables`` and ``figures`` (driver name -> file stem) that it produced, as
+        ``<stem>.csv`` and ``<stem>.png``, each atomically."""
+        from mechgeom._io import write_frame
+        from mechgeom.viz import save_png
+
+        named = output.renamed(tables, figures or {})
+        for stem, frame in named.tables.items():
+            write_frame(frame, self.path / f"{stem}.csv")
+        for stem, fig in named.figures.items():
+            save_png(fig, self.path / f"{stem}.png", dpi=dpi)
+
+    def write_summary(self, summary: dict[str, Any], *, indent: int = 1) -> Path:
+        """``summary.json`` (atomically; NumPy numbers as floats)."""
+        from mechgeom._io import atomic_write
+
+        path = self.path / "summary.json"
+        with atomic_write(path) as f:
+            json.dump(summary, f, indent=indent, default=float)
+        return path
+
+    def read_summary(self) -> dict[str, Any]:
+        """The ``summary.json`` of an earlier run, or ``{}``."""
+        path = self.path / "summary.json"
+        return json.loads(path.read_text()) if path.exists() else {}

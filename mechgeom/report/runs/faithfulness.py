@@ -22,26 +22,12 @@ Every sweep resumes from its record: rerun the same command after an interruptio
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import time
-from pathlib import Path
 from typing import Any
 
-from mechgeom._io import atomic_write
-from mechgeom.analyses.contribution.weights import RANKING_METRICS
-from mechgeom.analyses.faithfulness import area_ordering, faithfulness_summary
-from mechgeom.analyses.faithfulness.curves import (
-    DEFAULT_RATES,
-    FAITHFULNESS_METRICS,
-    MODES,
-    perplexity_curves,
-    task_accuracy_curves,
-)
-from mechgeom.data import load_corpus, load_task
-from mechgeom.models import load_model
-from mechgeom.report.runs import common_arguments, run_with_threads
-from mechgeom.viz import plot_curves, save_png
+from mechgeom.report.options import DEFAULT_RATES, FAITHFULNESS_METRICS, common_arguments
+from mechgeom.report.runs import RunDir, run_with_threads
 
 __all__ = ["HELP", "add_arguments", "run"]
 
@@ -72,74 +58,41 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--quiet", action="store_true")
 
 
-def _corpus(args: argparse.Namespace, model: Any, root: Path, corpus: str, verbose: bool) -> dict[str, Any]:
-    """One corpus: the ΔPPL sweep, its figure and its summary entry."""
+def _corpus(args: argparse.Namespace, model: Any, files: RunDir, corpus: str) -> dict[str, Any]:
+    """One corpus: the ΔPPL sweep (its table and record written by the sweep's checkpoint), its figure
+    and its summary entry."""
+    from mechgeom.data import load_corpus
+    from mechgeom.report.drivers.faithfulness import perplexity
+
     t0 = time.time()
     tokens = load_corpus(corpus, model, n_texts=args.n_texts, seq_len=args.seq_len, seed=args.seed)
-    frame = perplexity_curves(
-        model,
-        tokens,
-        args.metrics,
-        args.rates,
-        MODES,
-        scope=args.scope,
-        batch_size=args.batch_size,
-        seed=args.seed,
-        checkpoint=root / f"ppl_{corpus}.csv",
-        verbose=verbose,
-    )
-    title = f"{args.model} on {corpus}: {args.n_texts} x {args.seq_len} tokens, all layers"
-    save_png(plot_curves(frame, title=title), root / f"ppl_{corpus}.png")
-    judged = faithfulness_summary(frame, claimed=[m for m in RANKING_METRICS if m in args.metrics])
-    entry = {
-        "n_texts": args.n_texts,
-        "seq_len": args.seq_len,
-        "rates": args.rates,
-        "metrics": args.metrics,
-        "scope": args.scope,
-        "layers": "all",
-        "clean_ppl": judged["clean_ppl"],
-        "seconds": round(time.time() - t0, 1),
-        "ordering": area_ordering(frame, "delta_ppl"),
-        "ordering_by_delta_nll": area_ordering(frame, "delta_nll"),
-        "claimed_order": judged,
-    }
-    logger.info("%s", frame.round(4).to_string(index=False))
-    logger.info("%s", json.dumps(entry, indent=1))
-    return entry
+    out = perplexity(
+        model, tokens, metrics=args.metrics, rates=args.rates, scope=args.scope, batch_size=args.batch_size,
+        seed=args.seed, checkpoint=files / f"ppl_{corpus}.csv", verbose=not args.quiet,
+        title=f"{args.model} on {corpus}: {args.n_texts} x {args.seq_len} tokens, all layers",
+    )  # fmt: skip
+    files.write(out, {}, {"curves": f"ppl_{corpus}"})
+    logger.info("%s", out.tables["curves"].round(4).to_string(index=False))
+    return {**out.data, "seconds": round(time.time() - t0, 1)}
 
 
-def _tasks(args: argparse.Namespace, model: Any, root: Path, verbose: bool) -> dict[str, Any]:
-    """The task-accuracy sweep, its figure and its summary entry."""
+def _tasks(args: argparse.Namespace, model: Any, files: RunDir) -> dict[str, Any]:
+    """The task-accuracy sweep (its table and record written by the sweep's checkpoint), its figure and
+    its summary entry."""
+    from mechgeom.data import load_task
+    from mechgeom.report.drivers.faithfulness import tasks
+
     t0 = time.time()
     items = [it for task in args.tasks for it in load_task(task, n=args.task_items, seed=args.seed)]
-    tasks = task_accuracy_curves(
-        model,
-        items,
-        args.task_metrics,
-        args.task_rates,
-        args.task_modes,
-        scope=args.scope,
-        batch_size=args.task_batch_size,
-        seed=args.seed,
-        max_len=args.task_max_len,
-        checkpoint=root / "tasks.csv",
-        verbose=verbose,
-    )
-    title = f"{args.model}: accuracy on {', '.join(args.tasks)} (all)"
-    save_png(plot_curves(tasks, title=title), root / "tasks.png")
-    logger.info("%s", tasks.round(4).to_string(index=False))
-    return {
-        "items_per_task": args.task_items,
-        "metrics": args.task_metrics,
-        "rates": args.task_rates,
-        "modes": args.task_modes,
-        "max_len": args.task_max_len,
-        "scope": args.scope,
-        "layers": "all",
-        "clean_accuracy": tasks.drop_duplicates("task").set_index("task")["clean_accuracy"].to_dict(),
-        "seconds": round(time.time() - t0, 1),
-    }
+    out = tasks(
+        model, items, metrics=args.task_metrics, rates=args.task_rates, modes=args.task_modes, scope=args.scope,
+        batch_size=args.task_batch_size, seed=args.seed, max_len=args.task_max_len,
+        checkpoint=files / "tasks.csv", verbose=not args.quiet,
+        title=f"{args.model}: accuracy on {', '.join(args.tasks)} (all)",
+    )  # fmt: skip
+    files.write(out, {}, {"curves": "tasks"})
+    logger.info("%s", out.tables["curves"].round(4).to_string(index=False))
+    return {"items_per_task": args.task_items, **out.data, "seconds": round(time.time() - t0, 1)}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -148,18 +101,16 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> None:
-    verbose = not args.quiet
+    from mechgeom.models import load_model
+
     model = load_model(args.model)
-    root = Path(args.out) / args.model
-    # merge with an earlier invocation's summary (e.g. a separate task run)
-    summary_path = root / "summary.json"
-    summary: dict[str, Any] = json.loads(summary_path.read_text()) if summary_path.exists() else {}
+    files = RunDir(args)
+    summary = files.read_summary()  # merged with an earlier invocation's (e.g. a separate task run)
     summary.setdefault("corpora", {})
     summary.update({"model": args.model, "basis": _BASIS, "seed": args.seed, "threads": args.threads})
     for corpus in args.corpora:
-        summary["corpora"][corpus] = _corpus(args, model, root, corpus, verbose)
+        summary["corpora"][corpus] = _corpus(args, model, files, corpus)
     if args.task_items > 0:
-        summary["tasks"] = _tasks(args, model, root, verbose)
-    with atomic_write(summary_path) as f:
-        json.dump(summary, f, indent=1)
-    logger.info("wrote %s", root)
+        summary["tasks"] = _tasks(args, model, files)
+    files.write_summary(summary)
+    logger.info("wrote %s", files.path)

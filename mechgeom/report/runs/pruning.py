@@ -30,32 +30,24 @@ column): a quick run of the other orders.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import time
-from pathlib import Path
 from typing import Any
 
-import torch
-
-from mechgeom._io import atomic_write, write_frame
-from mechgeom.analyses.heads import ORDERS, head_orders, head_stats, head_table
-from mechgeom.analyses.heads.pruning import (
-    RETENTION_LEVELS,
-    retention_curves,
-    single_head_sweep,
-    sweep_exactness,
-)
-from mechgeom.data import load_corpus, load_task
-from mechgeom.models import load_model
-from mechgeom.report.runs import common_arguments, run_with_threads
-from mechgeom.viz import plot_retention, save_png
+from mechgeom.report.options import HEAD_ORDERS, RETENTION_LEVELS, common_arguments
+from mechgeom.report.runs import RunDir, run_with_threads
 
 __all__ = ["HELP", "add_arguments", "run"]
 
 logger = logging.getLogger("mechgeom")
 
 HELP = "head pruning: retention curves per order (taxonomy, magnitude, entropy, random, single-head) and critical heads"
+
+#: The driver's tables, and the files they go to (the leaderboard is the single-head sweep's table).
+_FILES = {
+    "single_head": "leaderboard",
+    **{t: t for t in ("heads", "retention", "comparison", "retention_summary")},
+}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -69,11 +61,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--n-items", type=int, default=48)
     p.add_argument("--mode", default="zero", choices=["zero", "mean"])
     p.add_argument("--k", type=float, default=5.0, help="MAD multiplier of the critical-head flag")
-    p.add_argument(
-        "--orders",
-        default="all",
-        help="comma-separated subset of taxonomy,magnitude,entropy,random,single_head",
-    )
+    p.add_argument("--orders", default="all", help=f"comma-separated subset of {','.join(HEAD_ORDERS)}")
     p.add_argument(
         "--levels",
         type=float,
@@ -101,124 +89,65 @@ def _wanted_orders(text: str) -> list[str] | None:
     if text == "all":
         return None
     wanted = [o.strip() for o in text.split(",") if o.strip()]
-    unknown = sorted(set(wanted) - set(ORDERS))
+    unknown = sorted(set(wanted) - set(HEAD_ORDERS))
     if unknown or not wanted:
-        raise ValueError(f"unknown order(s) {unknown or [text]}; choose from {list(ORDERS)}")
+        raise ValueError(f"unknown order(s) {unknown or [text]}; choose from {list(HEAD_ORDERS)}")
     return wanted
 
 
+def _windows(args: argparse.Namespace, model: Any) -> tuple[Any, dict[str, Any], Any]:
+    """The reference windows, the evaluation corpora (none for a leaderboard) and the task."""
+    from mechgeom.data import load_corpus, load_task
+
+    size = {"seq_len": args.seq_len, "seed": args.seed}
+    wiki = load_corpus("wikitext2", model, n_texts=args.n_texts + args.n_ref, **size)
+    ref, corpora = wiki[args.n_texts :], {"wikitext2": wiki[: args.n_texts]}
+    if args.leaderboard_only:
+        return ref, {}, None
+    corpora["gsm8k"] = load_corpus("gsm8k", model, n_texts=args.n_texts, **size)
+    task = None if args.task == "none" else (args.task, load_task(args.task, n=args.n_items, seed=args.seed))
+    return ref, corpora, task
+
+
 def _run(args: argparse.Namespace) -> None:
+    from mechgeom.models import load_model
+    from mechgeom.report.drivers.pruning import pruning
+
     wanted = _wanted_orders(args.orders)
     if args.no_sweep and args.leaderboard_only:
         raise ValueError("--no-sweep and --leaderboard-only leave nothing to run")
-    progress = bool(getattr(args, "progress", False))
-    out = Path(args.out) / args.model
-    out.mkdir(parents=True, exist_ok=True)
+    files = RunDir(args)
+    files.path.mkdir(parents=True, exist_ok=True)
     t_start = time.perf_counter()
-    timings: dict[str, float] = {}
-
     model = load_model(args.model)
-    n_heads = model.cfg.n_layers * model.cfg.n_heads
-    wiki = load_corpus(
-        "wikitext2", model, n_texts=args.n_texts + args.n_ref, seq_len=args.seq_len, seed=args.seed
-    )
-    evals, ref = wiki[: args.n_texts], wiki[args.n_texts :]
-    logger.info(
-        "model %s: %d heads; ref %s, eval %s", args.model, n_heads, tuple(ref.shape), tuple(evals.shape)
-    )
-
-    # ---------------------------------------------------------------- reference statistics and the sweep
-    t0 = time.perf_counter()
-    stats = head_stats(
-        model, ref, batch_size=args.batch_size, taxonomy=not args.leaderboard_only, verbose=progress
-    )
-    timings["head_stats_s"] = time.perf_counter() - t0
+    n_heads = int(model.cfg.n_layers * model.cfg.n_heads)
+    ref, corpora, task = _windows(args, model)
+    evals = tuple(corpora["wikitext2"].shape) if corpora else ()
+    logger.info("model %s: %d heads; ref %s, eval %s", args.model, n_heads, tuple(ref.shape), evals)
+    out = pruning(
+        model, ref, corpora, mode=args.mode, levels=args.levels, sweep=not args.no_sweep,
+        retention=not args.leaderboard_only, orders=wanted, task=task, k=args.k, verify_heads=args.verify_heads,
+        seed=args.seed, batch_size=args.batch_size, sweep_checkpoint=files / f"sweep_checkpoint_{args.mode}.csv",
+        retention_checkpoint=files / f"retention_{args.mode}.csv",
+        on_order=lambda f: logger.info("order done; %d rows", len(f)), verbose=args.progress,
+        title=f"{args.model}: heads removed by order ({args.mode})",
+    )  # fmt: skip
+    files.write(out, _FILES, {"retention": "retention"}, dpi=80)
     summary: dict[str, Any] = {
         "model": args.model,
-        "n_heads": int(n_heads),
+        "n_heads": n_heads,
         "mode": args.mode,
         "reference": f"{args.n_ref} WikiText-2 windows x {args.seq_len} tokens (seed {args.seed})",
+        **out.data,
     }
-    sweep = None
-    if not args.no_sweep:
-        t0 = time.perf_counter()
-        sweep = single_head_sweep(
-            model,
-            ref,
-            mode=args.mode,
-            means=stats,
-            batch_size=args.batch_size,
-            checkpoint=out / f"sweep_checkpoint_{args.mode}.csv",
-            verbose=progress,
-        )
-        timings["sweep_s"] = time.perf_counter() - t0
-        check = sweep_exactness(model, ref, sweep, args.verify_heads, means=stats, batch_size=args.batch_size)
-        write_frame(sweep.to_frame(k=args.k), out / "leaderboard.csv")
-        board = sweep.summary(k=args.k)
-        summary.update(clean_ppl_ref=sweep.clean_ppl, start_at_layer_check=check, leaderboard=board)
-        logger.info(
-            "single-head sweep: clean PPL %.3f; most harmful L%dH%d (ΔPPL %+.3f); %d critical head(s)",
-            sweep.clean_ppl,
-            board["top"]["layer"],
-            board["top"]["head"],
-            board["top"]["delta_ppl"],
-            board["n_critical"],
-        )
-    counts = stats.summary().get("taxonomy_counts")
-    if counts is not None:
-        summary["taxonomy_counts"] = counts
-    write_frame(head_table(model, stats, sweep), out / "heads.csv")
-
-    # ---------------------------------------------------------------- retention curves
-    if not args.leaderboard_only:
-        orders = head_orders(model, stats, sweep=sweep, seed=args.seed)
-        if wanted is not None:
-            orders = {k: v for k, v in orders.items() if k in wanted}
-        gsm = load_corpus("gsm8k", model, n_texts=args.n_texts, seq_len=args.seq_len, seed=args.seed)
-        task = (
-            None if args.task == "none" else (args.task, load_task(args.task, n=args.n_items, seed=args.seed))
-        )
-        t0 = time.perf_counter()
-        curves = retention_curves(
-            model,
-            orders,
-            {"wikitext2": evals, "gsm8k": gsm},
-            levels=args.levels,
-            mode=args.mode,
-            means=stats,
-            task=task,
-            batch_size=args.batch_size,
-            checkpoint=out / f"retention_{args.mode}.csv",
-            on_order=lambda f: logger.info("order done; %d rows", len(f)),
-            verbose=progress,
-        )
-        timings["retention_s"] = time.perf_counter() - t0
-        frame = curves.to_frame()
-        write_frame(frame, out / "retention.csv")
-        write_frame(curves.comparison(), out / "comparison.csv")
-        write_frame(curves.summary_frame(), out / "retention_summary.csv")
-        title = f"{args.model}: heads removed by order ({args.mode})"
-        save_png(plot_retention(frame, title=title), out / "retention.png", dpi=80)
-        retention = curves.summary()
+    if corpora:
         summary["evaluation"] = (
             f"{args.n_texts} WikiText-2 + {args.n_texts} GSM8K windows x {args.seq_len} tokens; "
             f"{args.task} ({args.n_items} items)"
         )
-        summary["orders"] = retention["orders"]
-        summary["mean_delta_ppl"] = {
-            f"{corpus}/{order}": value
-            for corpus, per in retention["by_corpus"].items()
-            for order, value in per.items()
-        }
-        summary["taxonomy_wins"] = retention["taxonomy_wins"]
-        summary["retention"] = retention
-        logger.info(
-            "mean ΔPPL below 100%%: %s",
-            ", ".join(f"{o} {v:+.3g}" for o, v in retention["mean_delta_ppl"].items()),
-        )
-    timings["total_s"] = time.perf_counter() - t_start
-    summary["timings"] = timings
-    summary["threads"] = torch.get_num_threads()
-    with atomic_write(out / "summary.json") as f:
-        json.dump(summary, f, indent=2, default=float)
-    logger.info("wrote %s in %.0f s", out, timings["total_s"])
+    summary["timings"]["total_s"] = time.perf_counter() - t_start
+    summary["threads"] = args.threads
+    files.write_summary(summary, indent=2)
+    for line in out.summary:
+        logger.info("%s", line)
+    logger.info("wrote %s in %.0f s", files.path, summary["timings"]["total_s"])

@@ -3,7 +3,8 @@
 Writes under ``<out>/<model>/``:
 
 - ``heads.csv``: per (layer, head, sink) statistics (:meth:`mechgeom.analyses.sinks.SinkResult.to_frame`);
-- ``convexity_check.csv``: closed-form vs intervention ``‖o(s)‖`` for a few heads;
+- ``convexity_check.csv``: closed-form vs intervention ``‖o(s)‖`` on the first two windows, for three heads
+  spread from the strongest sink head to the weakest (:mod:`mechgeom.report.drivers.sinks`, as the report);
 - ``ablation_all_layers_<mode>.csv``: per-head changes when the sink value is ablated in every layer and head;
 - ``ablation_summary.csv``: one row per ablation (all layers, then each layer alone) with ΔPPL and controls;
 - ``summary.json``: the headline numbers; figures ``rate_vs_ratio.png``, ``convexity_curves.png``,
@@ -18,25 +19,10 @@ import argparse
 import json
 import logging
 import time
-from pathlib import Path
 from typing import Any
 
-import pandas as pd
-
-from mechgeom._io import atomic_write, write_frame
-from mechgeom._progress import progress
-from mechgeom.analyses.sinks import convexity_check, sink_ablation
-from mechgeom.analyses.sinks.statistics import sink_statistics, spread_sink_heads
-from mechgeom.data import load_corpus
-from mechgeom.models import load_model
-from mechgeom.report.runs import common_arguments, run_with_threads
-from mechgeom.viz import (
-    plot_cone_shift,
-    plot_convexity_curves,
-    plot_rate_vs_ratio,
-    plot_sink_rate_vs_s_star,
-    save_png,
-)
+from mechgeom.report.options import common_arguments
+from mechgeom.report.runs import RunDir, run_with_threads
 
 __all__ = ["HELP", "add_arguments", "run"]
 
@@ -44,8 +30,7 @@ HELP = "attention sinks: statistics, convexity, factor decomposition, sink-value
 
 logger = logging.getLogger("mechgeom")
 
-#: The sink-mass grid of the convexity check, and the number of texts it runs on.
-_GRID = [0.0, 0.2, 0.4, 0.6, 0.8, 1.0]
+#: The number of texts the convexity check runs on.
 _CONVEXITY_TEXTS = 2
 #: The summary.json entries logged at the end.
 _LOGGED = (
@@ -94,95 +79,51 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> None:
+    from mechgeom.data import load_corpus
+    from mechgeom.hooks import token_strings
+    from mechgeom.models import load_model
+    from mechgeom.report.drivers.sinks import S_VALUES, sinks
+
     t_start = time.time()
     model = load_model(args.model)
-    out = Path(args.out) / args.model
     tokens = load_corpus("wikitext2", model, n_texts=args.n_texts, seq_len=args.seq_len, seed=args.seed)
-    first_tok = model.to_str_tokens(tokens[0, :1])[0]
+    first = token_strings(model, tokens[:1, :1])
     logger.info(
         "%s: %d windows x %d tokens; position 0 of text 0 = %r",
-        args.model,
-        tokens.shape[0],
-        tokens.shape[1],
-        first_tok,
+        args.model, tokens.shape[0], tokens.shape[1], first[0][0] if first else int(tokens[0, 0]),
+    )  # fmt: skip
+    out = sinks(
+        model, tokens, convexity_heads=3, s_values=S_VALUES, convexity_texts=_CONVEXITY_TEXTS,
+        ablation_modes=args.modes, per_layer_texts=args.per_layer_texts, seed=args.seed,
+        batch_size=args.batch_size, verbose=True,
+    )  # fmt: skip
+    files = RunDir(args)
+    files.write(
+        out,
+        {
+            "heads": "heads",
+            "convexity_max_error": "convexity_check",
+            **{f"ablation_{mode}": f"ablation_all_layers_{mode}" for mode in args.modes},
+            "ablation_summary": "ablation_summary",
+        },
+        {
+            "rate_vs_ratio": "rate_vs_ratio",
+            "s_star": "s_star_vs_rate",
+            "convexity": "convexity_curves",
+            "cone_shift": "cone_shift",
+        },
     )
-
-    # ---- statistics, convexity, factor decomposition
-    t0 = time.time()
-    stats = sink_statistics(model, tokens, batch_size=args.batch_size, verbose=True)
-    write_frame(stats.to_frame(), out / "heads.csv")
-    logger.info("statistics: %.0f s", time.time() - t0)
     summary: dict[str, Any] = {
         "model": args.model,
         "n_texts": int(tokens.shape[0]),
         "seq_len": int(tokens.shape[1]),
         "corpus": f"wikitext2 (test), seed {args.seed}",
-        "sink_positions": stats.sink_positions,
         "position0_is_bos": bool(getattr(model.cfg, "default_prepend_bos", False)),
-        "basis": stats.basis,
-        **stats.summary(),
+        **out.data,
+        "runtime_s": round(time.time() - t_start, 1),
     }
-    save_png(plot_rate_vs_ratio(stats, space="vt"), out / "rate_vs_ratio.png")
-    save_png(plot_sink_rate_vs_s_star(stats), out / "s_star_vs_rate.png")
-
-    # ---- convexity by intervention on a few heads (the first texts)
-    t0 = time.time()
-    chosen = spread_sink_heads(stats)
-    sub = tokens[:_CONVEXITY_TEXTS]
-    sub_stats = sink_statistics(model, sub, layers=sorted({layer for layer, _ in chosen}))
-    check = convexity_check(model, sub, chosen, _GRID, stats=sub_stats)
-    write_frame(check.max_error_frame(), out / "convexity_check.csv")
-    check_summary = check.summary()
-    summary["convexity_check_heads"] = check_summary["heads"]
-    summary["convexity_check_max_abs_err"] = check_summary["max_abs_error"]
-    save_png(plot_convexity_curves(sub_stats, chosen, measured=check.measured), out / "convexity_curves.png")
-    logger.info(
-        "convexity check: %.0f s, max |closed - measured| = %.2e",
-        time.time() - t0,
-        check_summary["max_abs_error"],
-    )
-
-    # ---- sink-value ablation: all layers and heads at once
-    t0 = time.time()
-    summary_rows = []
-    clean = None
-    for mode in args.modes:
-        res = sink_ablation(
-            model, tokens, mode=mode, seed=args.seed, batch_size=args.batch_size, clean=clean, verbose=True
-        )
-        clean = res
-        write_frame(res.to_frame(), out / f"ablation_all_layers_{mode}.csv")
-        summary_rows.append({"scope": "all layers", **res.summary(seed=args.seed)})
-        if mode == args.modes[0]:
-            save_png(plot_cone_shift(res), out / "cone_shift.png")
-    logger.info("all-layer ablations: %.0f s", time.time() - t0)
-
-    # ---- per-layer sweep (zero mode) on the first --per-layer-texts windows
-    if args.per_layer_texts > 0:
-        t0 = time.time()
-        few = tokens[: args.per_layer_texts]
-        clean_few = None
-        for layer in progress(range(model.cfg.n_layers), desc="per-layer ablation"):
-            res = sink_ablation(
-                model,
-                few,
-                layers=layer,
-                mode="zero",
-                seed=args.seed,
-                batch_size=args.batch_size,
-                clean=clean_few,
-            )
-            clean_few = res
-            summary_rows.append({"scope": f"layer {layer}", **res.summary(seed=args.seed)})
-        logger.info("per-layer ablations: %.0f s", time.time() - t0)
-    abl = pd.DataFrame(summary_rows)
-    write_frame(abl, out / "ablation_summary.csv")
-    summary["ablation"] = abl.to_dict(orient="records")
-    summary["runtime_s"] = round(time.time() - t_start, 1)
-    with atomic_write(out / "summary.json") as f:
-        json.dump(summary, f, indent=1, default=float)
-
-    with pd.option_context("display.width", 160, "display.max_rows", 100):
-        logger.info("%s", abl[_ABLATION_COLUMNS].to_string(index=False, float_format="%.4g"))
+    files.write_summary(summary)
+    table = out.tables["ablation_summary"][_ABLATION_COLUMNS]
+    logger.info("%s", table.to_string(index=False, float_format="%.4g"))
     for key in _LOGGED:
         logger.info("%s: %s", key, json.dumps(summary[key], default=float))
