@@ -28,6 +28,10 @@ _EXPORTS: dict[str, str] = {
     "Collector": "mechgeom.analyses.base",
     "Result": "mechgeom.analyses.base",
     "collect": "mechgeom.analyses.base",
+    # attribution methods of the field
+    "RolloutCollector": "mechgeom.analyses.attribution.rollout",
+    "RolloutResult": "mechgeom.analyses.attribution.rollout",
+    "attention_rollout": "mechgeom.analyses.attribution.rollout",
     # contribution weights
     "ContributionCollector": "mechgeom.analyses.contribution.weights",
     "ContributionResult": "mechgeom.analyses.contribution.weights",
@@ -109,6 +113,11 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # the same names, for type checkers and editors (``X as X``: an explicit re-export)
+    from mechgeom.analyses.attribution.rollout import (
+        RolloutCollector as RolloutCollector,
+        RolloutResult as RolloutResult,
+        attention_rollout as attention_rollout,
+    )
     from mechgeom.analyses.base import (
         Collector as Collector,
         Result as Result,

@@ -81,6 +81,7 @@ import pandas as pd
 import torch
 
 from mechgeom._deprecation import keyword_only
+from mechgeom.analyses.attribution.rollout import RolloutCollector
 from mechgeom.analyses.base import Result
 from mechgeom.analyses.contribution.weights import (
     INTER_METRICS,
@@ -450,6 +451,23 @@ for _name in INTRA_METRICS:
         description=f"the contribution metric {_name!r} (mechgeom.analyses.contribution.weights)",
     )
 register_ranking("random", random_control, description="uniform noise seeded by (seed, text, layer)")
+
+
+def rollout_scores(request: RankingRequest, names: tuple[str, ...]) -> list[FwdHook]:
+    """Attention rollout (:mod:`mechgeom.analyses.attribution.rollout`): a layer-level score, the same
+    ranking for every head (``[batch, 1, q, k]`` inter-head, repeated over heads intra-head)."""
+
+    def on_scores(layer: int, scores: Tensor) -> None:
+        per_head = scores[:, None].expand(-1, request.n_heads, -1, -1)
+        for name in names:
+            request.emit(name, layer, per_head)
+
+    return RolloutCollector(request.model, request.layers, on_scores=on_scores).fwd_hooks
+
+
+register_ranking(
+    "rollout", rollout_scores, description="attention rollout (Abnar and Zuidema 2020), layer-level"
+)
 
 
 # --------------------------------------------------------------------------- rankings of one batch
