@@ -17,8 +17,9 @@ Names are imported on first use, so ``import mechgeom`` (and the command line) s
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from mechgeom._lazy import lazy_exports
 
 __version__ = "0.1.0"
 
@@ -96,20 +97,7 @@ _SUBPACKAGES = ("analyses", "data", "hooks", "maths", "models", "report", "sweep
 __all__ = ["__version__", *sorted(_EXPORTS)]
 
 
-def __getattr__(name: str) -> Any:
-    """Import a public name (or a subpackage) on first use, and keep it."""
-    if name in _EXPORTS:
-        value = getattr(importlib.import_module(_EXPORTS[name]), name)
-    elif name in _SUBPACKAGES:
-        value = importlib.import_module(f"mechgeom.{name}")
-    else:
-        raise AttributeError(f"module 'mechgeom' has no attribute {name!r}")
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *_EXPORTS, *_SUBPACKAGES})
+__getattr__, __dir__ = lazy_exports(__name__, globals(), _EXPORTS, _SUBPACKAGES)
 
 
 if TYPE_CHECKING:  # the same names, for type checkers and editors (``X as X``: an explicit re-export)

@@ -21,6 +21,7 @@ __all__ = [
     "Bool",
     "Float",
     "HeadOut",
+    "HeadQueries",
     "HeadScores",
     "Int",
     "Integer",
@@ -28,6 +29,7 @@ __all__ = [
     "Pattern",
     "PatternMask",
     "QueryKey",
+    "QueryKeyMask",
     "SourceRanks",
     "Tensor",
     "Tokens",
@@ -51,6 +53,10 @@ WO = Float[Tensor, "head_index d_head d_model"]
 HeadScores = Float[Tensor, "batch head_index query_pos key_pos"]
 #: A whole-layer score over (query, key) pairs.
 LayerScores = Float[Tensor, "batch query_pos key_pos"]
+#: A per-head quantity of each query (``[batch, head_index, query_pos]``), e.g. an F-score or a bound.
+HeadQueries = Float[Tensor, "batch head_index query_pos"]
+#: Which (query, key) pairs a per-query set holds: the candidate sources of each query, ``True`` = in the set.
+QueryKeyMask = Bool[Tensor, "*batch query_pos key_pos"]
 #: Any ``[query_pos, key_pos]`` matrix.
 QueryKey = Float[Tensor, "query_pos key_pos"]
 #: Per-query rank of each source (0 = top-ranked), ``rank_head`` is ``head_index`` or 1 (whole layer);

@@ -63,6 +63,21 @@ def _index_list(values: Any, what: str, plural: str) -> list[int]:
     return [operator.index(x) for x in values]
 
 
+def _resolve(values: Any, n: int, what: str, plural: str, has: str) -> list[int]:
+    """``None`` -> ``range(n)``; else :func:`_index_list`, each in ``0..n-1``, no duplicates, not empty."""
+    if values is None:
+        return list(range(n))
+    out = _index_list(values, what, plural)
+    if not out:
+        raise ValueError(f"{plural} is empty; pass None for every {what}")
+    bad = [x for x in out if not 0 <= x < n]
+    if bad:
+        raise IndexError(f"{what}(s) {bad} out of range: the model has {n} {has} (0..{n - 1})")
+    if len(set(out)) != len(out):
+        raise ValueError(f"duplicate {plural} in {out}")
+    return out
+
+
 def resolve_layers(model: Any, layers: int | Sequence[int] | None) -> list[int]:
     """``None`` means every layer; an int or a sequence of ints is checked against ``n_layers``.
 
@@ -77,34 +92,12 @@ def resolve_layers(model: Any, layers: int | Sequence[int] | None) -> list[int]:
     ...
     TypeError: layers takes an int or a sequence of ints, got str '12': e.g. layers=12 or layers=[1, 2] (None for every layer)
     """
-    n = _n_layers(model)
-    if layers is None:
-        return list(range(n))
-    out = _index_list(layers, "layer", "layers")
-    if not out:
-        raise ValueError("layers is empty; pass None for every layer")
-    bad = [x for x in out if not 0 <= x < n]
-    if bad:
-        raise IndexError(f"layer(s) {bad} out of range: the model has {n} layers (0..{n - 1})")
-    if len(set(out)) != len(out):
-        raise ValueError(f"duplicate layers in {out}")
-    return out
+    return _resolve(layers, _n_layers(model), "layer", "layers", "layers")
 
 
 def resolve_heads(model: Any, heads: int | Sequence[int] | None) -> list[int]:
     """``None`` means every head; otherwise checked against ``n_heads`` like :func:`resolve_layers`."""
-    n = int(model.cfg.n_heads)
-    if heads is None:
-        return list(range(n))
-    out = _index_list(heads, "head", "heads")
-    if not out:
-        raise ValueError("heads is empty; pass None for every head")
-    bad = [x for x in out if not 0 <= x < n]
-    if bad:
-        raise IndexError(f"head(s) {bad} out of range: the model has {n} heads per layer (0..{n - 1})")
-    if len(set(out)) != len(out):
-        raise ValueError(f"duplicate heads in {out}")
-    return out
+    return _resolve(heads, int(model.cfg.n_heads), "head", "heads", "heads per layer")
 
 
 def check_index(value: Any, size: int, what: str) -> int:

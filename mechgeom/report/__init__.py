@@ -30,8 +30,9 @@ Names are imported on first use, so ``import mechgeom.report.options`` (the comm
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from mechgeom._lazy import lazy_exports
 
 #: Public name -> the module that defines it.
 _EXPORTS: dict[str, str] = {
@@ -56,20 +57,7 @@ _SUBMODULES = ("base", "build", "drivers", "encoder_stages", "html", "options", 
 __all__ = [*sorted(_EXPORTS), "build"]
 
 
-def __getattr__(name: str) -> Any:
-    """Import a public name (or a submodule) on first use, and keep it."""
-    if name in _EXPORTS:
-        value = getattr(importlib.import_module(_EXPORTS[name]), name)
-    elif name in _SUBMODULES:
-        value = importlib.import_module(f"mechgeom.report.{name}")
-    else:
-        raise AttributeError(f"module 'mechgeom.report' has no attribute {name!r}")
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *_EXPORTS, *_SUBMODULES})
+__getattr__, __dir__ = lazy_exports(__name__, globals(), _EXPORTS, _SUBMODULES)
 
 
 if TYPE_CHECKING:  # the same names, for type checkers and editors

@@ -27,7 +27,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -177,13 +177,8 @@ def head_view(
         panels.append(t)
         n_nan += n
     names = [f"{_LABELS.get(m, m)} L{layer}H{head}" for m in metrics]
-    view = _attention_heads(panels, names, _tokens(result, batch), scale, result.causal)
-    caption = (
-        f"Layer {layer}, head {head}: {', '.join(names)}. "
-        + _scale_note(scale, result.causal)
-        + _nan_note(n_nan)
-    )
-    return View(f"{result.model_name or 'model'} L{layer}H{head}", [(caption, view)])
+    what = f"Layer {layer}, head {head}: {', '.join(names)}. "
+    return _panels_view(result, batch, panels, names, scale, n_nan, f"L{layer}H{head}", what)
 
 
 def layer_view(
@@ -211,13 +206,25 @@ def layer_view(
             panels.append(t)
             names.append(f"{_LABELS.get(m, m)} layer")
             n_nan += n
+    what = f"Layer {layer}, {n_heads} heads and the whole layer. "
+    return _panels_view(result, batch, panels, names, scale, n_nan, f"layer {layer}", what)
+
+
+def _panels_view(
+    result: ContributionResult,
+    batch: int,
+    panels: list[Any],
+    names: list[str],
+    scale: float,
+    n_nan: int,
+    title: str,
+    what: str,
+) -> View:
+    """One circuitsvis attention-heads view of ``panels`` (named ``names``) over text ``batch``, captioned with
+    ``what``, the colour scale and the NaN count."""
     view = _attention_heads(panels, names, _tokens(result, batch), scale, result.causal)
-    caption = (
-        f"Layer {layer}, {n_heads} heads and the whole layer. "
-        + _scale_note(scale, result.causal)
-        + _nan_note(n_nan)
-    )
-    return View(f"{result.model_name or 'model'} layer {layer}", [(caption, view)])
+    caption = what + _scale_note(scale, result.causal) + _nan_note(n_nan)
+    return View(f"{result.model_name or 'model'} {title}", [(caption, view)])
 
 
 def token_view(

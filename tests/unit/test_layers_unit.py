@@ -26,6 +26,7 @@ BELOW_HOOKS = {
     "_progress",
     "_batch_queue",
     "_deprecation",
+    "_lazy",
     "_kernels",
     "sweep",
     "models",

@@ -26,6 +26,7 @@ and judges paper A's claimed order.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -146,7 +147,6 @@ def perplexity_curves(
     """
     check_decoder(model)
     checked = check_sweep_settings(model, metrics, rates, modes, layers, scope, batch_size)
-    metrics_t, rates_t, modes_t = checked[:3]
     tokens = tokens_or_text
     if isinstance(tokens, Tensor) and (tokens.ndim != 2 or tokens.shape[0] == 0):
         raise ValueError(
@@ -167,7 +167,7 @@ def perplexity_curves(
         record=None if path is None else record_path(path, "per_text"),
         extra_hooks=extra_hooks, executor=executor, verbose=verbose, by_length=False,
     )  # fmt: skip
-    frame = _ppl_summary(record, units.hashes, metrics_t, modes_t, rates_t, n_boot=n_boot, seed=seed)
+    frame = _ppl_summary(record, units.hashes, checked, n_boot=n_boot, seed=seed)
     frame = frame.assign(n_texts=n, layers=settings["layers"], scope=settings["scope"], seed=seed)
     if path is not None:
         write_frame(frame, path)
@@ -182,9 +182,7 @@ def _delta_ppl(x: np.ndarray) -> float:
 def _ppl_summary(
     record: pd.DataFrame,
     hashes: list[str],
-    metrics: tuple[str, ...],
-    modes: tuple[str, ...],
-    rates: tuple[float, ...],
+    checked: SweepSettings,
     *,
     n_boot: int,
     seed: int,
@@ -194,25 +192,23 @@ def _ppl_summary(
     clean = -unit_values(record, clean_key, hashes, "logprob") / n_pred
     clean_ppl = float(np.exp(clean.mean()))
     rows = []
-    for m in metrics:
-        for mode in modes:
-            for r in rates:
-                nll = clean if r == 0 else -unit_values(record, (m, mode, r), hashes, "logprob") / n_pred
-                lo, hi = bootstrap_ci(np.stack([nll, clean], axis=1), _delta_ppl, n_boot=n_boot, seed=seed)
-                ppl = float(np.exp(nll.mean()))
-                rows.append(
-                    {
-                        "metric": m,
-                        "mode": mode,
-                        "rate": r,
-                        "ppl": ppl,
-                        "delta_ppl": ppl - clean_ppl,
-                        "delta_nll": float((nll - clean).mean()),
-                        "ci_low": lo,
-                        "ci_high": hi,
-                        "clean_ppl": clean_ppl,
-                    }
-                )
+    for m, mode, r in itertools.product(checked.metrics, checked.modes, checked.rates):
+        nll = clean if r == 0 else -unit_values(record, (m, mode, r), hashes, "logprob") / n_pred
+        lo, hi = bootstrap_ci(np.stack([nll, clean], axis=1), _delta_ppl, n_boot=n_boot, seed=seed)
+        ppl = float(np.exp(nll.mean()))
+        rows.append(
+            {
+                "metric": m,
+                "mode": mode,
+                "rate": r,
+                "ppl": ppl,
+                "delta_ppl": ppl - clean_ppl,
+                "delta_nll": float((nll - clean).mean()),
+                "ci_low": lo,
+                "ci_high": hi,
+                "clean_ppl": clean_ppl,
+            }
+        )
     return pd.DataFrame(rows)
 
 
@@ -282,7 +278,6 @@ def task_accuracy_curves(
     """
     check_decoder(model)
     checked = check_sweep_settings(model, metrics, rates, modes, layers, scope, batch_size)
-    metrics_t, rates_t, modes_t = checked[:3]
     items = list(items)
     if not items:
         raise ValueError("no items: give at least one task item (see mechgeom.data.load_task)")
@@ -296,9 +291,7 @@ def task_accuracy_curves(
         record=None if path is None else record_path(path, "per_choice"),
         extra_hooks=extra_hooks, executor=executor, verbose=verbose, by_length=True,
     )  # fmt: skip
-    frame = _accuracy_summary(
-        record, units.hashes, owner, items, metrics_t, modes_t, rates_t, n_boot=n_boot, seed=seed
-    )
+    frame = _accuracy_summary(record, units.hashes, owner, items, checked, n_boot=n_boot, seed=seed)
     frame = frame.assign(layers=settings["layers"], scope=settings["scope"], seed=seed)
     if path is not None:
         write_frame(frame, path)
@@ -319,9 +312,7 @@ def _accuracy_summary(
     hashes: list[str],
     owner: list[tuple[int, int]],
     items: Sequence[Any],
-    metrics: tuple[str, ...],
-    modes: tuple[str, ...],
-    rates: tuple[float, ...],
+    checked: SweepSettings,
     *,
     n_boot: int,
     seed: int,
@@ -332,33 +323,29 @@ def _accuracy_summary(
     if len(groups) > 1:
         groups.append("all")
     rows = []
-    for m in metrics:
-        for mode in modes:
-            for r in rates:
-                masked = (
-                    clean
-                    if r == 0
-                    else _correct(unit_values(record, (m, mode, r), hashes, "logprob"), owner, items)
-                )
-                for g in groups:
-                    sel = np.ones(len(items), dtype=bool) if g == "all" else tasks == g
-                    diff = masked[sel] - clean[sel]
-                    lo, hi = bootstrap_ci(diff, n_boot=n_boot, seed=seed)
-                    acc_lo, acc_hi = bootstrap_ci(masked[sel], n_boot=n_boot, seed=seed)
-                    rows.append(
-                        {
-                            "task": g,
-                            "metric": m,
-                            "mode": mode,
-                            "rate": r,
-                            "accuracy": float(masked[sel].mean()),
-                            "accuracy_ci_low": acc_lo,
-                            "accuracy_ci_high": acc_hi,
-                            "delta_accuracy": float(diff.mean()),
-                            "ci_low": lo,
-                            "ci_high": hi,
-                            "clean_accuracy": float(clean[sel].mean()),
-                            "n_items": int(sel.sum()),
-                        }
-                    )
+    for m, mode, r in itertools.product(checked.metrics, checked.modes, checked.rates):
+        masked = (
+            clean if r == 0 else _correct(unit_values(record, (m, mode, r), hashes, "logprob"), owner, items)
+        )
+        for g in groups:
+            sel = np.ones(len(items), dtype=bool) if g == "all" else tasks == g
+            diff = masked[sel] - clean[sel]
+            lo, hi = bootstrap_ci(diff, n_boot=n_boot, seed=seed)
+            acc_lo, acc_hi = bootstrap_ci(masked[sel], n_boot=n_boot, seed=seed)
+            rows.append(
+                {
+                    "task": g,
+                    "metric": m,
+                    "mode": mode,
+                    "rate": r,
+                    "accuracy": float(masked[sel].mean()),
+                    "accuracy_ci_low": acc_lo,
+                    "accuracy_ci_high": acc_hi,
+                    "delta_accuracy": float(diff.mean()),
+                    "ci_low": lo,
+                    "ci_high": hi,
+                    "clean_accuracy": float(clean[sel].mean()),
+                    "n_items": int(sel.sum()),
+                }
+            )
     return pd.DataFrame(rows)

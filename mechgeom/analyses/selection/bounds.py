@@ -22,9 +22,8 @@ import numpy as np
 import pandas as pd
 import torch
 
-from mechgeom.analyses.selection.geometry import HQ, HQK, Mask
 from mechgeom.hooks import check_sink_positions
-from mechgeom.typing import Bool, Float, Int, Pattern, Tensor, Values
+from mechgeom.typing import Bool, Float, HeadQueries, HeadScores, Int, Pattern, QueryKeyMask, Tensor, Values
 
 __all__ = [
     "BoundParams",
@@ -205,13 +204,13 @@ def _p_plus(c: Tensor, lo1: Tensor, hi1: Tensor, lo2: Tensor, hi2: Tensor) -> Te
 def bound_radii(
     pattern: Pattern,
     members: Bool[Tensor, "batch head_index query_pos key_pos"],
-    valid: Mask,
+    valid: QueryKeyMask,
     sink_mask: Bool[Tensor, " key_pos"],
     params: BoundParams,
     *,
     dtype: torch.dtype = torch.float64,
     rtol: float | None = None,
-) -> tuple[HQK, HQK]:
+) -> tuple[HeadScores, HeadScores]:
     """``(U, L)``: ``U_j >= d_j`` for members ``j ∈ I_N``, ``L_k <= d_k`` for the other candidates.
 
     Under the regime's assumptions (``docs/selection_bound.md``, steps 2-5); ``U`` is NaN outside
@@ -280,13 +279,13 @@ def bound_radii(
 def sink_aware_bound(
     pattern: Pattern,
     members: Bool[Tensor, "batch head_index query_pos key_pos"],
-    valid: Mask,
+    valid: QueryKeyMask,
     sink_mask: Bool[Tensor, " key_pos"],
     params: BoundParams,
     *,
     dtype: torch.dtype = torch.float64,
     rtol: float | None = None,
-) -> tuple[HQ, Int[Tensor, "batch head_index query_pos"], Int[Tensor, "batch head_index query_pos"]]:
+) -> tuple[HeadQueries, Int[Tensor, "batch head_index query_pos"], Int[Tensor, "batch head_index query_pos"]]:
     """Deterministic lower bound on ``F_N`` from ``alpha`` and the regime's parameters only.
 
     Returns ``(bound, m_plus, q_minus)``; statement and proof in ``docs/selection_bound.md``. With

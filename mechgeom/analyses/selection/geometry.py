@@ -30,7 +30,7 @@ import pandas as pd
 import torch
 
 from mechgeom.maths import stable_ranks
-from mechgeom.typing import Bool, Float, Int, Pattern, Tensor, Values
+from mechgeom.typing import Bool, Float, HeadScores, Int, Pattern, QueryKeyMask, Tensor, Values
 
 __all__ = [
     "candidate_mask",
@@ -42,10 +42,6 @@ __all__ = [
     "sink_effect",
     "source_ranks",
 ]
-
-HQK = Float[Tensor, "batch head_index query_pos key_pos"]
-HQ = Float[Tensor, "batch head_index query_pos"]
-Mask = Bool[Tensor, "*batch query_pos key_pos"]
 
 
 # --------------------------------------------------------------------------- input checks
@@ -99,7 +95,9 @@ def candidate_mask(
     return cand
 
 
-def source_ranks(scores: HQK, candidates: Mask) -> Int[Tensor, "batch head_index query_pos key_pos"]:
+def source_ranks(
+    scores: HeadScores, candidates: QueryKeyMask
+) -> Int[Tensor, "batch head_index query_pos key_pos"]:
     """Rank of each source by descending ``scores`` among the candidates (0 = largest).
 
     Ties: the lower position gets the lower rank (a stable sort). Non-candidates rank after every
@@ -113,7 +111,10 @@ def source_ranks(scores: HQK, candidates: Mask) -> Int[Tensor, "batch head_index
 
 
 def random_ranks(
-    shape: Sequence[int], candidates: Mask, generator: torch.Generator, device: torch.device | str = "cpu"
+    shape: Sequence[int],
+    candidates: QueryKeyMask,
+    generator: torch.Generator,
+    device: torch.device | str = "cpu",
 ) -> Int[Tensor, "batch head_index query_pos key_pos"]:
     """A uniformly random permutation of the candidates of each row (non-candidates rank last).
 
@@ -135,7 +136,7 @@ def selection_distances(
     metric: Float[Tensor, "head_index d_head d_head"] | None = None,
     dtype: torch.dtype = torch.float64,
     squared: bool = False,
-) -> HQK:
+) -> HeadScores:
     """``d_j = ‖y_j − s_N‖`` with ``y_j = alpha[h,i,j] * v[j,h]`` and ``s_N = sum_{j in I_N} y_j``.
 
     ``members`` is ``I_N`` per ``(batch, head, query)``. Computed without a ``[q, k, d]`` tensor:
