@@ -34,6 +34,8 @@ Built in:
 - ``random``: uniform noise over each text's real tokens, drawn from a generator seeded with
   ``(seed, content hash of the text's real tokens, layer)``: reproducible for a seed, independent of the
   batch and of padding.
+- ``rollout``: attention rollout (:mod:`mechgeom.analyses.attribution.rollout`), a layer-level score that
+  ranks every head's sources the same way, in both scopes.
 
 A new method is one function registered with :func:`register_ranking`::
 
