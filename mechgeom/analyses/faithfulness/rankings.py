@@ -65,7 +65,7 @@ claimed order; :func:`area_ordering` orders them by the area under a curve.
 >>> rate_key(0.1 + 0.2), unit_hash(torch.tensor([1, 2, 3]))[:1]
 (0.3, 'u')
 >>> ranking_methods("inter")
-('attention', 'value_weighted', 'value_weighted_normalized', 'contribution', 'random')
+('attention', 'value_weighted', 'value_weighted_normalized', 'contribution', 'random', 'rollout')
 """
 
 from __future__ import annotations
