@@ -225,13 +225,15 @@ def _sweep(
 
     Rate 0 removes nothing, so its rows are the clean pass (the hook is exact at rate 0; see the tests).
     The work runs on :func:`mechgeom.sweep.run_sweep`: one item per batch's clean pass and per (metric,
-    mode, rate, batch); with ``store`` the record is rewritten atomically after every item and finished
-    (key, unit) pairs are skipped on a rerun.
+    mode, rate, batch); with ``store`` each item's rows are appended to the record as it finishes and
+    finished (key, unit) pairs are skipped on a rerun.
     """
     rows = RowStore(
         store,
         key=_STORE_KEYS,
         settings=settings,
+        model=model,
+        extra_hooks=extra_hooks,
         what="faithfulness record",
         fresh=_FRESH,
     )
@@ -317,11 +319,12 @@ def perplexity_curves(
     delta_nll, ci_low, ci_high, clean_ppl, n_texts, layers, scope, seed``.
 
     With ``checkpoint`` (``.csv`` or ``.parquet``) the table is written there atomically, and per-text
-    results go to ``<stem>.per_text<suffix>`` after every masked pass; a rerun with the same settings
-    (model, layers, scope, seed, ``extra_hooks`` by a stable repr) skips every (metric, mode, rate, text)
-    already recorded, so an interrupted sweep resumes without duplicate or lost rows (texts are matched by
-    content, so a larger corpus that starts with the same windows extends an earlier run). Different
-    settings raise ``ValueError``.
+    results go to the store ``<stem>.per_text<suffix>`` after every masked pass (:mod:`mechgeom.sweep`); a
+    rerun of the same experiment (the model's weights and dtype, layers, scope, seed, and the code and data of
+    ``extra_hooks``: ``docs/sweeps.md``) skips every (metric, mode, rate, text) already recorded, so an
+    interrupted sweep resumes without duplicate or lost rows (texts are matched by content, so a larger
+    corpus that starts with the same windows extends an earlier run). Another experiment raises
+    ``ValueError`` naming each difference.
 
     ``executor`` runs the sweep's items elsewhere, e.g. :class:`mechgeom.sweep.RayExecutor` on actors that
     each load the same model by name (default: in this process, on ``model``); the table is the same.
@@ -347,7 +350,7 @@ def perplexity_curves(
         targets=torch.ones(n, pos - 1, dtype=torch.bool),
         hashes=[_unit_hash(t) for t in toks],
     )
-    settings = _settings(model, chosen, scope, seed, extra_hooks)
+    settings = _settings(model, chosen, scope, seed)
     record = _sweep(
         model,
         units,
@@ -488,7 +491,7 @@ def task_accuracy_curves(
     if not 2 <= limit <= int(model.cfg.n_ctx):
         raise ValueError(f"max_len must be in [2, n_ctx={model.cfg.n_ctx}], got {max_len}")
     units, owner = _task_units(model, items, limit)
-    settings = _settings(model, chosen, scope, seed, extra_hooks)
+    settings = _settings(model, chosen, scope, seed)
     record = _sweep(
         model,
         units,

@@ -25,7 +25,8 @@ then remove the top- or bottom-ranked sources. Conventions fixed here (keyword a
   (uint8 up to 256 positions); the hook builds the boolean mask on the fly from ``(rank, rate, mode)``.
 
 A sweep's rankings depend on the model (with its ``extra_hooks``), the layers, the scope and the seed:
-:func:`_settings` is that fingerprint, in a form that is the same in another process.
+:func:`_settings` gives the settings, and the sweep store adds the model's weights, dtype and hooks
+(:mod:`mechgeom.sweep.fingerprint`).
 
 **Metric rankings.** :func:`faithfulness_summary` ranks the metrics by mean ΔPPL and judges paper A's
 claimed order; :func:`area_ordering` orders them by the area under a curve.
@@ -38,10 +39,8 @@ from __future__ import annotations
 
 import hashlib
 import itertools
-import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from functools import partial
 from typing import Any
 
 import numpy as np
@@ -369,43 +368,10 @@ def _layers_label(model: Any, layers: list[int]) -> str:
     return "all" if layers == list(range(int(model.cfg.n_layers))) else ",".join(map(str, layers))
 
 
-def _stable_repr(x: Any) -> str:
-    """``repr`` that is the same in another process: functions by qualified name (no memory address),
-    ``functools.partial`` by its function and arguments, tensors by dtype, shape and a content hash."""
-    if isinstance(x, partial):
-        args = [*map(_stable_repr, x.args), *(f"{k}={_stable_repr(v)}" for k, v in x.keywords.items())]
-        return f"{_stable_repr(x.func)}({', '.join(args)})"
-    if isinstance(x, Tensor):
-        data = x.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
-        digest = hashlib.sha1(data).hexdigest()[:12]
-        return f"tensor({str(x.dtype).removeprefix('torch.')}{list(x.shape)}, sha1 {digest})"
-    if isinstance(x, (list, tuple)):
-        inner = ", ".join(map(_stable_repr, x))
-        return f"[{inner}]" if isinstance(x, list) else f"({inner})"
-    if callable(x) and hasattr(x, "__qualname__"):
-        return f"{getattr(x, '__module__', '')}.{x.__qualname__}"
-    return re.sub(r" at 0x[0-9a-fA-F]+", "", repr(x)).replace("\n", " ")
-
-
-def _hooks_label(hooks: Sequence[FwdHook]) -> str:
-    """The settings fingerprint of ``extra_hooks``: each hook point and the stable repr of its function
-    (long texts are cut, with a hash of the whole)."""
-    text = "; ".join(f"{name}: {_stable_repr(fn)}" for name, fn in hooks)
-    if len(text) <= 240:
-        return text
-    return f"{text[:160]}... ({len(hooks)} hooks, sha1 {hashlib.sha1(text.encode()).hexdigest()[:16]})"
-
-
-def _settings(
-    model: Any, layers: list[int], scope: str, seed: int, extra_hooks: Sequence[FwdHook] = ()
-) -> dict[str, Any]:
-    """What a resumed sweep must match: the model, layers, ranking scope and seed. ``extra_hooks`` make
-    another model: their stable repr is appended to the model's label (a run without hooks keeps the
-    plain label, so earlier records still resume, and a record with hooks refuses a run without)."""
-    label = model_label(model)
-    if extra_hooks:
-        label += f" + extra_hooks {_hooks_label(extra_hooks)}"
-    return {"model": label, "layers": _layers_label(model, layers), "scope": scope, "seed": seed}
+def _settings(model: Any, layers: list[int], scope: str, seed: int) -> dict[str, Any]:
+    """What a resumed sweep must match besides the model and its ``extra_hooks`` (which the sweep store
+    fingerprints itself: weights, dtype, hook code and data): the model's name, layers, ranking scope, seed."""
+    return {"model": model_label(model), "layers": _layers_label(model, layers), "scope": scope, "seed": seed}
 
 
 # --------------------------------------------------------------------------- ranking the metrics

@@ -6,9 +6,10 @@ settings and the stage's parameters. Its row in the :class:`~mechgeom.sweep.RowS
 rendered section sits beside it in ``stages/<stage>.html``. A stage is reused when its row is stored and its
 files are present; it is computed otherwise, and its earlier row (other settings) is dropped first, so each
 stage has at most one row and the files on disk always belong to the row that names them. A report over other
-settings thus recomputes the stages it needs; a store written by another version of this layout is refused
-(the store's fingerprint). The work of a stage writes its own files under ``out_dir``, so the report always
-runs on the local executor.
+settings thus recomputes the stages it needs (a model object also by its weights, so an edited model does not
+reuse them); a store written by another version of this layout is refused (the store's fingerprint). The store
+is locked while the report runs, so a second report on the same folder stops at once, naming the first's PID.
+The work of a stage writes its own files under ``out_dir``, so the report always runs on the local executor.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ from mechgeom.report.base import (
 from mechgeom.report.encoder_stages import DECODER_ONLY, ENCODER_STAGES
 from mechgeom.report.html import figure_png, page_html, render_fragment
 from mechgeom.report.stages import STAGES
-from mechgeom.sweep import Item, LocalExecutor, RowStore, run_sweep
+from mechgeom.sweep import Item, LocalExecutor, RowStore, run_sweep, weights_digest
 
 __all__ = ["STORE_VERSION", "build_report", "stage_store"]
 
@@ -245,6 +246,8 @@ def build_report(
     ]
     settings = ReportSettings(_model_label(model), corpus, n_texts, seq_len, seed, quick)
     key = _json_roundtrip(settings.as_dict())
+    if not isinstance(model, str):  # a model object may have been edited after loading: its weights count
+        key["weights"] = weights_digest(model)
     store = stage_store(out)  # refuses a store of another layout before anything is computed
     ctx = StageContext(
         settings,
@@ -257,52 +260,54 @@ def build_report(
     out.mkdir(parents=True, exist_ok=True)
     records: list[StageRecord] = []
     t_all = time.perf_counter()
-    for k, stage in enumerate(selected, 1):
-        tag = f"[{k}/{len(selected)}] {stage.name}"
-        missing = _module_missing(stage.module)
-        if missing is not None:
-            logger.info("%s: not available (%s)", tag, missing)
-            records.append(StageRecord(stage.name, stage.title, "skipped", reason=missing))
-            continue
-        params = _json_roundtrip(stage.params(settings))
-        stage_key = _stage_key(key, params)
-        rec = _load_record(out, store, stage, stage_key)
-        if rec is not None:
-            logger.info("%s: reused from %s", tag, store.path)
+    with store.writing():  # one report writes the folder at a time: a second one stops here
+        for k, stage in enumerate(selected, 1):
+            tag = f"[{k}/{len(selected)}] {stage.name}"
+            missing = _module_missing(stage.module)
+            if missing is not None:
+                logger.info("%s: not available (%s)", tag, missing)
+                records.append(StageRecord(stage.name, stage.title, "skipped", reason=missing))
+                continue
+            params = _json_roundtrip(stage.params(settings))
+            stage_key = _stage_key(key, params)
+            rec = _load_record(out, store, stage, stage_key)
+            if rec is not None:
+                logger.info("%s: reused from %s", tag, store.path)
+                records.append(rec)
+                continue
+            logger.info("%s: computing ...", tag)
+            ctx.stage_key = stage_key.removeprefix("k")
+            _ = ctx.tokens  # loading errors (model, corpus) stop the report rather than fail every stage
+            store.discard((stage.name, str(k_)) for k_ in _stored(store, stage)["key"])  # one row per stage
+            work = _StageWork(ctx, out, stage, key, params)
+            t0 = time.perf_counter()
+            try:
+                run_sweep(
+                    [Item(key=(stage.name, stage_key), rows=((stage.name, stage_key),))],
+                    work,
+                    store,
+                    executor=LocalExecutor(),
+                    verbose=False,
+                )
+                assert work.record is not None
+                rec = work.record
+            except Exception as exc:
+                logger.error("%s: failed: %s", tag, exc)
+                logger.debug("%s", traceback.format_exc())
+                rec = StageRecord(
+                    stage.name,
+                    stage.title,
+                    "failed",
+                    time.perf_counter() - t0,
+                    reason=f"{type(exc).__name__}: {exc}",
+                )
+            else:
+                logger.info("%s: done in %.1f s", tag, rec.seconds)
+                with contextlib.suppress(OSError):  # only if the stage left no checkpoint behind
+                    (out / "partial").rmdir()
             records.append(rec)
-            continue
-        logger.info("%s: computing ...", tag)
-        ctx.stage_key = stage_key.removeprefix("k")
-        _ = ctx.tokens  # loading errors (model, corpus) stop the report rather than fail every stage
-        store.discard((stage.name, str(k_)) for k_ in _stored(store, stage)["key"])  # one row per stage
-        work = _StageWork(ctx, out, stage, key, params)
-        t0 = time.perf_counter()
-        try:
-            run_sweep(
-                [Item(key=(stage.name, stage_key), rows=((stage.name, stage_key),))],
-                work,
-                store,
-                executor=LocalExecutor(),
-                verbose=False,
-            )
-            assert work.record is not None
-            rec = work.record
-        except Exception as exc:
-            logger.error("%s: failed: %s", tag, exc)
-            logger.debug("%s", traceback.format_exc())
-            rec = StageRecord(
-                stage.name,
-                stage.title,
-                "failed",
-                time.perf_counter() - t0,
-                reason=f"{type(exc).__name__}: {exc}",
-            )
-        else:
-            logger.info("%s: done in %.1f s", tag, rec.seconds)
-            with contextlib.suppress(OSError):  # only if the stage left no checkpoint behind
-                (out / "partial").rmdir()
-        records.append(rec)
-        _write_page(out, settings, records, selected[k:])
+            store.write_table()  # stages.csv follows the stages (written atomically)
+            _write_page(out, settings, records, selected[k:])
     for rec in skipped:
         logger.info("%s: skipped (%s)", rec.name, rec.reason)
     records += skipped

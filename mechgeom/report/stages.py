@@ -10,6 +10,7 @@ from typing import Any
 
 from mechgeom.report.base import ReportSettings, Stage, StageContext, StageOutput
 from mechgeom.report.html import panels_html
+from mechgeom.sweep import remove_store
 
 __all__ = ["STAGES", "faithfulness_order", "spread_layers"]
 
@@ -369,7 +370,7 @@ def _run_pruning(ctx: StageContext, p: dict[str, Any]) -> StageOutput:
     )
     png = plot_retention(frame, title=ctx.settings.model)
     for name in ("pruning_single_head", "pruning_curves"):
-        ctx.partial_path(name, ".csv").unlink(missing_ok=True)
+        remove_store(ctx.partial_path(name, ".csv"))  # the table, its log and its lock file
     return StageOutput(tables=tables, figures={"pruning_retention": png}, summary=lines)
 
 
