@@ -32,6 +32,7 @@ import pandas as pd
 
 from mechgeom._io import write_frame
 from mechgeom.sweep.fingerprint import describe, hooks_fingerprint, model_dtype, model_label, weights_digest
+from mechgeom.sweep.legacy import adoption_marker, open_legacy
 from mechgeom.sweep.log import (
     LOG_VERSION,
     ParsedLog,
@@ -172,8 +173,6 @@ class RowStore:
             if self.log_path.exists():
                 self._read()
             elif self.path.exists():
-                from mechgeom.sweep.legacy import adoption_marker, open_legacy
-
                 columns, rows, note = open_legacy(self)  # refuses, or converts a table the user adopted
                 if rows:
                     with self.writing():
