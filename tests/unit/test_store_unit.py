@@ -131,9 +131,9 @@ def test_a_writer_in_another_process_is_named_and_a_sigkill_leaves_no_stale_lock
 def test_sigkill_at_seven_points_then_resume_keeps_every_row_once_and_the_same_table(tmp_path):
     path = tmp_path / "s.csv"
     for k in range(1, 8):  # each run stores at least one more item, then is killed
-        pid = _fork_sweep(path, delay=0.05)
+        pid = _fork_sweep(path, delay=0.2)
         _wait_rows(path, min(5 * k, 40), pid)
-        time.sleep(0.007 * k)  # a little later each time: inside the work, or a write
+        time.sleep(0.02 * k)  # a little later each time, inside the next item (0.2 s)
         _kill(pid)
     resumed = run_sweep(_items(), Rows(), _store(path), verbose=False)
     full = run_sweep(_items(), Rows(), _store(tmp_path / "full.csv"), verbose=False)
