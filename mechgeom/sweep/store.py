@@ -166,7 +166,6 @@ class RowStore:
         self._lock_fd: int | None = None
         self._log_fd: int | None = None
         self._depth = 0
-        self._appended = False
         self._frame: pd.DataFrame | None = None
         if self.path is not None:
             self.log_path, self.lock_path = store_paths(self.path)
@@ -280,7 +279,7 @@ class RowStore:
         self._lock()
         try:
             self._refresh()
-            self._depth, self._appended, failed = 1, False, True
+            self._depth, failed = 1, True
             try:
                 yield self
                 failed = False
@@ -360,7 +359,6 @@ class RowStore:
                 f"could not append to {self.what} {self.log_path}: {err.strerror}; the rows stored before are "
                 "intact. Free some space or make the folder writable, then rerun to resume",
             ) from err
-        self._appended = True
         self._end += len(data)
         self._seen = (os.fstat(self._log_fd).st_ino, self._end)
         self._frame = None
@@ -369,15 +367,13 @@ class RowStore:
         """Write the table now (atomically), e.g. after each step of a long write session; a session writes
         it at its end anyway. Nothing happens without a log (no row was ever stored)."""
         if self.path is not None and self.log_path.exists():
-            self._write_table(quiet=False, force=True)
+            self._write_table(quiet=False)
 
-    def _write_table(self, *, quiet: bool, force: bool = False) -> None:
-        """Write the table atomically when the log is newer (or the table is missing, or ``force``)."""
+    def _write_table(self, *, quiet: bool) -> None:
+        """Write the table atomically from the rows in memory (the log's), if there is a log; ``quiet``
+        turns a failure into a warning (on the way out of a session that failed)."""
         assert self.path is not None
         if not self.log_path.exists():
-            return
-        stale = not self.path.exists() or self.path.stat().st_mtime_ns < self.log_path.stat().st_mtime_ns
-        if not (self._appended or stale or force):
             return
         try:
             write_frame(self.frame, self.path)
