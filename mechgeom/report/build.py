@@ -6,9 +6,10 @@ settings and the stage's parameters. Its row in the :class:`~mechgeom.sweep.RowS
 rendered section sits beside it in ``stages/<stage>.html``. A stage is reused when its row is stored and its
 files are present; it is computed otherwise, and its earlier row (other settings) is dropped first, so each
 stage has at most one row and the files on disk always belong to the row that names them. A report over other
-settings thus recomputes the stages it needs; a store written by another version of this layout is refused
-(the store's fingerprint). The work of a stage writes its own files under ``out_dir``, so the report always
-runs on the local executor.
+settings thus recomputes the stages it needs (a model object also by its weights, so an edited model does not
+reuse them); a store written by another version of this layout is refused (the store's fingerprint). The store
+is locked while the report runs, so a second report on the same folder stops at once, naming the first's PID.
+The work of a stage writes its own files under ``out_dir``, so the report always runs on the local executor.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ from mechgeom.report.base import (
 from mechgeom.report.encoder_stages import DECODER_ONLY, ENCODER_STAGES
 from mechgeom.report.html import figure_png, page_html, render_fragment
 from mechgeom.report.stages import STAGES
-from mechgeom.sweep import Item, LocalExecutor, RowStore, run_sweep
+from mechgeom.sweep import Item, LocalExecutor, RowStore, run_sweep, weights_digest
 
 __all__ = ["STORE_VERSION", "build_report", "stage_store"]
 
@@ -287,6 +288,8 @@ def build_report(
     settings = _settings(model, corpus, n_texts, seq_len, seed, quick, tokens)
     selected, skipped = _plan(model, stages)
     key = _json_roundtrip(settings.as_dict())
+    if not isinstance(model, str):  # a model object may have been edited after loading: its weights count
+        key["weights"] = weights_digest(model)
     store = stage_store(out)  # refuses a store of another layout before anything is computed
     ctx = StageContext(
         settings, out, model=None if isinstance(model, str) else model, tokens=tokens, device=device,
@@ -295,27 +298,31 @@ def build_report(
     out.mkdir(parents=True, exist_ok=True)
     records: list[StageRecord] = []
     t_all = time.perf_counter()
-    for k, stage in enumerate(selected, 1):
-        tag = f"[{k}/{len(selected)}] {stage.name}"
-        missing = _module_missing(stage.module)
-        if missing is not None:
-            logger.info("%s: not available (%s)", tag, missing)
-            rec = StageRecord(stage.name, stage.title, "skipped", reason=missing)
-        else:
-            params = _json_roundtrip(stage.params(settings))
-            stored = _load_record(out, store, stage, _stage_key(key, params))
-            if stored is not None:
-                logger.info("%s: reused from %s", tag, store.path)
-                rec = stored
+    with store.writing():  # one report writes the folder at a time: a second one stops here
+        for k, stage in enumerate(selected, 1):
+            tag = f"[{k}/{len(selected)}] {stage.name}"
+            missing = _module_missing(stage.module)
+            if missing is not None:
+                logger.info("%s: not available (%s)", tag, missing)
+                rec = StageRecord(stage.name, stage.title, "skipped", reason=missing)
             else:
-                logger.info("%s: computing ...", tag)
-                _ = ctx.tokens  # loading errors (model, corpus) stop the report rather than fail every stage
-                rec = _compute(ctx, store, stage, key, params, tag)
-                if rec.status == "computed":
-                    logger.info("%s: done in %.1f s", tag, rec.seconds)
-        records.append(rec)
-        if rec.status in ("computed", "failed"):
-            _write_page(out, settings, records, selected[k:])
+                params = _json_roundtrip(stage.params(settings))
+                stored = _load_record(out, store, stage, _stage_key(key, params))
+                if stored is not None:
+                    logger.info("%s: reused from %s", tag, store.path)
+                    rec = stored
+                else:
+                    logger.info("%s: computing ...", tag)
+                    _ = (
+                        ctx.tokens
+                    )  # loading errors (model, corpus) stop the report rather than fail every stage
+                    rec = _compute(ctx, store, stage, key, params, tag)
+                    if rec.status == "computed":
+                        logger.info("%s: done in %.1f s", tag, rec.seconds)
+            records.append(rec)
+            store.write_table()  # stages.csv follows the stages (written atomically)
+            if rec.status in ("computed", "failed"):
+                _write_page(out, settings, records, selected[k:])
     for rec in skipped:
         logger.info("%s: skipped (%s)", rec.name, rec.reason)
     records += skipped

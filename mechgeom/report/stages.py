@@ -9,6 +9,7 @@ from typing import Any
 
 from mechgeom.report.base import ReportSettings, Stage, StageContext, StageOutput
 from mechgeom.report.options import CORPORA, FAITHFULNESS_METRICS, MODES
+from mechgeom.sweep import remove_store
 
 __all__ = ["STAGES"]
 
@@ -187,7 +188,7 @@ def _run_pruning(ctx: StageContext, p: dict[str, Any]) -> StageOutput:
     if not p["single_head"]:
         out.summary.append("Quick run: no single-head ablation sweep (the single_head order is left out).")
     for path in checkpoints.values():
-        path.unlink(missing_ok=True)
+        remove_store(path)  # the table, its log and its lock file
     return out.renamed(
         {"retention": "pruning", "single_head": "pruning_single_head"}, {"retention": "pruning_retention"}
     )

@@ -12,10 +12,11 @@ from mechgeom.cli import main
 
 pytestmark = pytest.mark.integration
 
-#: The files of a run with retention curves (the sweep adds leaderboard.csv and its checkpoint).
+#: The files of a run with retention curves (the sweep adds leaderboard.csv and its checkpoint); each checkpoint
+#: is a sweep store: its table, its log and its lock file (docs/sweeps.md).
 RETENTION_FILES = {
-    "heads.csv", "retention_zero.csv", "retention.csv", "comparison.csv", "retention_summary.csv",
-    "summary.json", "retention.png",
+    "heads.csv", "retention_zero.csv", "retention_zero.log.jsonl", "retention_zero.lock", "retention.csv",
+    "comparison.csv", "retention_summary.csv", "summary.json", "retention.png",
 }  # fmt: skip
 
 
@@ -68,7 +69,8 @@ def test_run_pruning_leaderboard_only(smollm2, tmp_path):
     assert main([*argv, "--verify-heads", "2", "--out", str(tmp_path)]) == 0
     out = tmp_path / "smollm2-135m"
     assert {p.name for p in out.iterdir()} == {
-        "heads.csv", "leaderboard.csv", "sweep_checkpoint_zero.csv", "summary.json",
+        "heads.csv", "leaderboard.csv", "sweep_checkpoint_zero.csv", "sweep_checkpoint_zero.log.jsonl",
+        "sweep_checkpoint_zero.lock", "summary.json",
     }  # fmt: skip
     heads, board = pd.read_csv(out / "heads.csv"), pd.read_csv(out / "leaderboard.csv")
     assert list(heads.columns) == ["layer", "head", "out_norm", "entropy", "weight_magnitude", "delta_ppl"]

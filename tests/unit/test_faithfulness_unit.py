@@ -25,6 +25,7 @@ from mechgeom.analyses.faithfulness import curves as fa, harness
 from mechgeom.analyses.scoring import perplexity, text_nll
 from mechgeom.data import TaskItem
 from mechgeom.hooks import has_hooks, head_ablation_hooks, run_hooks
+from mechgeom.sweep import hooks_fingerprint
 
 GEO_METRICS = ("attention", "value_weighted", "value_weighted_normalized", "contribution")
 
@@ -448,20 +449,19 @@ def test_extra_hooks_run_in_every_pass_and_match_a_brute_force(tmp_path) -> None
     for la, m in masks.items():
         assert torch.equal(ablated.mask(la, 0.5, "comprehensiveness").expand_as(m), m)
     assert not ablated.same_as(plain_ranking)
-    # the hooks are part of the settings fingerprint, both ways, by a repr that is the same in another process
-    with pytest.raises(ValueError, match=r"model: stored .* extra_hooks .*, now "):
-        faithfulness.perplexity_curves(model, tokens, checkpoint=tmp_path / "abl.csv", **kw)
+    # the hooks are part of the store's fingerprint, both ways, by their code and data (the same in another
+    # process)
+    with pytest.raises(
+        ValueError, match=r"extra_hooks: stored blocks\.0\.attn\.hook_z: .*replace_z_hook.*, now none"
+    ):
+        fa.perplexity_curves(model, tokens, checkpoint=tmp_path / "abl.csv", **kw)
     other = head_ablation_hooks(model, [(0, 1)])
     with pytest.raises(ValueError, match="extra_hooks"):
-        faithfulness.perplexity_curves(
-            model, tokens, extra_hooks=other, checkpoint=tmp_path / "abl.csv", **kw
-        )
-    faithfulness.perplexity_curves(model, tokens, checkpoint=tmp_path / "plain.csv", **kw)
-    with pytest.raises(ValueError, match=r"model: stored .*, now .* extra_hooks"):
-        faithfulness.perplexity_curves(
-            model, tokens, extra_hooks=abl, checkpoint=tmp_path / "plain.csv", **kw
-        )
-    again = faithfulness.perplexity_curves(
+        fa.perplexity_curves(model, tokens, extra_hooks=other, checkpoint=tmp_path / "abl.csv", **kw)
+    fa.perplexity_curves(model, tokens, checkpoint=tmp_path / "plain.csv", **kw)
+    with pytest.raises(ValueError, match=r"extra_hooks: stored none, now blocks\.0\.attn\.hook_z: "):
+        fa.perplexity_curves(model, tokens, extra_hooks=abl, checkpoint=tmp_path / "plain.csv", **kw)
+    again = fa.perplexity_curves(
         model,
         tokens,
         extra_hooks=head_ablation_hooks(model, [(0, 1), (1, 2)]),
@@ -469,15 +469,11 @@ def test_extra_hooks_run_in_every_pass_and_match_a_brute_force(tmp_path) -> None
         **kw,
     )
     pd.testing.assert_frame_equal(again, frame)
-    label = fa.sweep_settings(model, [0, 1], "intra", 0, abl)["model"]
+    label = hooks_fingerprint(abl)
     assert "0x" not in label and "replace_z_hook" in label
     means = torch.zeros(model.cfg.n_layers, model.cfg.n_heads, model.cfg.d_head)
-    mean_a = fa.sweep_settings(
-        model, [0, 1], "intra", 0, head_ablation_hooks(model, [(0, 1)], mode="mean", means=means)
-    )
-    mean_b = fa.sweep_settings(
-        model, [0, 1], "intra", 0, head_ablation_hooks(model, [(0, 1)], mode="mean", means=means + 1e-3)
-    )
+    mean_a = hooks_fingerprint(head_ablation_hooks(model, [(0, 1)], mode="mean", means=means))
+    mean_b = hooks_fingerprint(head_ablation_hooks(model, [(0, 1)], mode="mean", means=means + 1e-3))
     assert mean_a != mean_b  # tensors enter by content, not by a rounded print
 
 

@@ -15,6 +15,7 @@ from types import SimpleNamespace
 import numpy as np
 import pandas as pd
 import pytest
+import torch
 from conftest import make_tiny, random_tokens
 from sweep_work import TextNLL, encoder_input, items
 
@@ -112,6 +113,16 @@ def test_ray_single_head_sweep_equals_the_local_one(tiny_ray):
     remote = pruning.single_head_sweep(model, tokens, executor=tiny_ray)
     np.testing.assert_allclose(remote.nll.numpy(), local.nll.numpy(), rtol=1e-5)
     pd.testing.assert_frame_equal(remote.to_frame(), local.to_frame(), rtol=1e-5)
+
+
+def test_workers_refuse_a_driver_model_edited_after_loading(tiny_ray):
+    """The workers load the model by name; a driver model edited in place would give rows under its own
+    weights digest that the workers never computed with: every item is refused."""
+    model = make_tiny(seed=3)
+    with torch.no_grad():
+        next(iter(model.parameters())).mul_(0.5)
+    with pytest.raises(ValueError, match=r"the worker's weights \(sha256:\w+\) are not the driver's"):
+        pruning.single_head_sweep(model, random_tokens(2, 8, seed=2), executor=tiny_ray)
 
 
 def test_killed_actors_lose_nothing_and_duplicate_nothing(tiny_ray, tmp_path, ray_cluster):

@@ -23,7 +23,7 @@ from mechgeom.analyses import faithfulness, heads
 from mechgeom.analyses.faithfulness import curves as fa, harness
 from mechgeom.analyses.heads import pruning
 from mechgeom.data import TaskItem
-from mechgeom.sweep import Item, LocalExecutor, RowStore, run_sweep, tokens_hash
+from mechgeom.sweep import Item, LocalExecutor, RowStore, read_store, run_sweep, tokens_hash
 
 TESTS = Path(__file__).resolve().parents[1]
 ROOT = TESTS.parent
@@ -81,7 +81,7 @@ def test_store_never_stores_a_key_twice(tmp_path):
     assert store.add([{"k": "c", "r": 0.3, "v": 4}]) == 1
     on_disk = pd.read_csv(path)
     assert on_disk[["k", "v"]].values.tolist() == [["a", 1], ["b", 3], ["c", 4]]
-    # a file with duplicate keys (hand-edited) is read keeping the first row
+    # the table is made from the log: a duplicate key written into the table by hand is never read back
     pd.concat([on_disk, on_disk.iloc[[0]].assign(v=7)]).to_csv(path, index=False)
     assert RowStore(path, key=["k", "r"], settings={}).rows()["v"].tolist() == [1, 3, 4]
 
@@ -96,7 +96,7 @@ def test_run_sweep_writes_each_item_as_it_finishes_and_resume_skips_finished_ite
 
     def fn(model, item):
         calls.append(item.key)
-        seen_on_disk.append(len(pd.read_csv(path)) if path.exists() else 0)
+        seen_on_disk.append(len(read_store(path)))  # the rows in the store's log, as a watcher reads them
         if item.key == (2,) and len(calls) == 3:
             raise RuntimeError("killed")
         return _square(model, item)
@@ -242,7 +242,8 @@ def _kill_when(script: str, path: Path, enough, timeout: float = 120.0) -> None:
     try:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if path.exists() and enough(pd.read_csv(path)):
+            rows = read_store(path)  # the rows appended to the store's log so far
+            if len(rows) and enough(rows):
                 proc.send_signal(signal.SIGKILL)
                 proc.wait(timeout=30)
                 assert proc.returncode == -signal.SIGKILL, "the sweep finished before it was killed"
@@ -275,7 +276,7 @@ def test_faithfulness_resumes_after_sigkill(tmp_path):
     """
     record = tmp_path / "run.per_text.csv"
     _kill_when(script, record, lambda f: (f["metric"] != "clean").sum() >= 4)
-    killed = pd.read_csv(record)
+    killed = read_store(record)
     assert not (tmp_path / "run.csv").exists()
     model, tokens = make_tiny(), random_tokens(5, 8, seed=2)
     full = faithfulness.perplexity_curves(model, tokens, checkpoint=tmp_path / "full.csv", **kw)
@@ -303,7 +304,7 @@ def test_embedding_curves_resume_after_sigkill(tmp_path):
     """
     record = tmp_path / "run.per_text.csv"
     _kill_when(script, record, lambda f: (f["metric"] != "clean").sum() >= 4)
-    killed = pd.read_csv(record)
+    killed = read_store(record)
     assert not (tmp_path / "run.csv").exists()
     model = make_tiny(attention_dir="bidirectional", seed=4)
     tokens, mask = encoder_input()
@@ -338,7 +339,7 @@ def test_single_head_sweep_resumes_after_sigkill(tmp_path):
     """
     ckpt = tmp_path / "s.csv"
     _kill_when(script, ckpt, lambda f: len(f) >= 3 * 3)  # three heads done
-    killed = pd.read_csv(ckpt)
+    killed = read_store(ckpt)
     model, toks = make_tiny(n_layers=3, seed=3), random_tokens(3, 8, seed=1)
     full = pruning.single_head_sweep(model, toks, batch_size=2, checkpoint=tmp_path / "full.csv")
     assert len(killed) < 12 * 3
@@ -363,7 +364,7 @@ def test_retention_curves_resume_after_sigkill(tmp_path):
     """
     ckpt = tmp_path / "r.csv"
     _kill_when(script, ckpt, lambda f: f["order"].nunique() >= 2)
-    killed = pd.read_csv(ckpt)
+    killed = read_store(ckpt)
     model = make_tiny(n_layers=2, seed=5)
     orders = {f"random{s}": heads.random_order(model, s) for s in range(5)}
     corpora = {"a": random_tokens(2, 8, seed=1), "b": random_tokens(2, 6, seed=2)}

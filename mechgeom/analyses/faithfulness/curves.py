@@ -93,7 +93,7 @@ def _decoder_record(
     """The harness on decoder units with the ``checked`` settings (:func:`check_sweep_settings`) and the
     engine's ``options`` (:func:`~mechgeom.analyses.faithfulness.harness.masking_sweep`): the record and
     its settings fingerprint."""
-    settings = sweep_settings(model, checked.layers, checked.scope, options["seed"], options["extra_hooks"])
+    settings = sweep_settings(model, checked.layers, checked.scope, options["seed"])
     return masking_sweep(model, units, TargetLogprob(), checked, settings=settings, **options), settings
 
 

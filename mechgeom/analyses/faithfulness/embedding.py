@@ -489,7 +489,7 @@ def embedding_curves(
         checked,
         seed=seed,
         batch_size=int(batch_size),
-        settings=sweep_settings(model, chosen, scope, seed, extra_hooks, outcome=embedding_fn),
+        settings=sweep_settings(model, chosen, scope, seed, outcome=embedding_fn),
         record=None if path is None else record_path(path, "per_text"),
         extra_hooks=extra_hooks,
         executor=executor,

@@ -327,7 +327,15 @@ def masking_sweep(
         columns, one row per unit for the clean pass (metric and mode ``"clean"``, rate 0) and per
         (metric, mode, rate > 0).
     """
-    store = RowStore(record, key=_STORE_KEYS, settings=settings, what=what, fresh=_FRESH)
+    store = RowStore(
+        record,
+        key=_STORE_KEYS,
+        settings=settings,
+        model=model,
+        extra_hooks=extra_hooks,
+        what=what,
+        fresh=_FRESH,
+    )
     keys = [(m, mode, r) for m in checked.metrics for mode in checked.modes for r in checked.rates if r > 0]
     work = MaskingWork(
         units, outcome, checked.layers, checked.scope, seed, tuple(extra_hooks), causal, masker

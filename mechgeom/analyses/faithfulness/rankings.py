@@ -57,7 +57,8 @@ same function are asked together (one collector serves every contribution metric
 nothing for a layer is an error naming it.
 
 A sweep's rankings depend on the model (with its ``extra_hooks``), the layers, the scope and the seed:
-:func:`sweep_settings` is that fingerprint, in a form that is the same in another process.
+:func:`sweep_settings` gives the settings, and the sweep store adds the model's weights, dtype and hooks
+(:mod:`mechgeom.sweep.fingerprint`).
 
 **Metric rankings.** :func:`faithfulness_summary` ranks the metrics by mean ΔPPL and judges paper A's
 claimed order; :func:`area_ordering` orders them by the area under a curve.
@@ -72,7 +73,6 @@ from __future__ import annotations
 
 import hashlib
 import itertools
-import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
@@ -619,57 +619,22 @@ def layers_label(model: Any, layers: list[int]) -> str:
     return "all" if layers == list(range(int(model.cfg.n_layers))) else ",".join(map(str, layers))
 
 
-def _stable_repr(x: Any) -> str:
-    """``repr`` that is the same in another process: functions by qualified name (no memory address),
-    ``functools.partial`` by its function and arguments, tensors by dtype, shape and a content hash."""
-    if isinstance(x, partial):
-        args = [*map(_stable_repr, x.args), *(f"{k}={_stable_repr(v)}" for k, v in x.keywords.items())]
-        return f"{_stable_repr(x.func)}({', '.join(args)})"
-    if isinstance(x, Tensor):
-        data = x.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
-        digest = hashlib.sha1(data).hexdigest()[:12]
-        return f"tensor({str(x.dtype).removeprefix('torch.')}{list(x.shape)}, sha1 {digest})"
-    if isinstance(x, (list, tuple)):
-        inner = ", ".join(map(_stable_repr, x))
-        return f"[{inner}]" if isinstance(x, list) else f"({inner})"
-    if callable(x) and hasattr(x, "__qualname__"):
-        return f"{getattr(x, '__module__', '')}.{x.__qualname__}"
-    return re.sub(r" at 0x[0-9a-fA-F]+", "", repr(x)).replace("\n", " ")
-
-
-def _hooks_label(hooks: Sequence[FwdHook]) -> str:
-    """The settings fingerprint of ``extra_hooks``: each hook point and the stable repr of its function
-    (long texts are cut, with a hash of the whole)."""
-    text = "; ".join(f"{name}: {_stable_repr(fn)}" for name, fn in hooks)
-    if len(text) <= 240:
-        return text
-    return f"{text[:160]}... ({len(hooks)} hooks, sha1 {hashlib.sha1(text.encode()).hexdigest()[:16]})"
-
-
 def sweep_settings(
-    model: Any,
-    layers: list[int],
-    scope: str,
-    seed: int,
-    extra_hooks: Sequence[FwdHook] = (),
-    *,
-    outcome: Any = None,
+    model: Any, layers: list[int], scope: str, seed: int, *, outcome: Any = None
 ) -> dict[str, Any]:
-    """What a resumed sweep must match: the model, layers, ranking scope and seed. ``extra_hooks`` make
-    another model: their stable repr is appended to the model's label (a run without hooks keeps the
-    plain label, so earlier records still resume, and a record with hooks refuses a run without).
-    ``outcome`` (e.g. an encoder sweep's embedding function) adds an ``outcome`` entry, by its stable repr."""
-    label = model_label(model)
-    if extra_hooks:
-        label += f" + extra_hooks {_hooks_label(extra_hooks)}"
+    """What a resumed sweep must match besides what the sweep store fingerprints itself (the model's weights
+    and dtype, the code and data of ``extra_hooks``: ``docs/sweeps.md``): the model's name, the layers, the
+    ranking scope and the seed, and ``outcome`` (an encoder sweep's embedding function), which a checkpointed
+    store fingerprints by its code and data (:func:`mechgeom.sweep.describe`; a store without a path takes
+    none)."""
     settings: dict[str, Any] = {
-        "model": label,
+        "model": model_label(model),
         "layers": layers_label(model, layers),
         "scope": scope,
         "seed": seed,
     }
     if outcome is not None:
-        settings["outcome"] = _stable_repr(outcome)
+        settings["outcome"] = outcome
     return settings
 
 

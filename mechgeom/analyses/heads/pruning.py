@@ -255,8 +255,8 @@ def single_head_sweep(
     (:mod:`mechgeom.analyses.heads.removal`; at most ``2 * batch_size`` sequences per forward).
     ``checkpoint`` (a ``.csv``/``.parquet`` path) records each layer's rows as soon as its heads
     finish and resumes from them (:mod:`mechgeom.sweep`; heads already on file are not recomputed, a layer
-    cut off mid-way is rerun); a file written for another model, other tokens or another mode is refused
-    with a ``ValueError`` naming the difference. ``executor`` runs the layers elsewhere (e.g.
+    cut off mid-way is rerun); a file of another model (name, weights, dtype), tokens, mode or ``means`` is
+    refused with a ``ValueError`` naming the difference. ``executor`` runs the layers elsewhere (e.g.
     :class:`mechgeom.sweep.RayExecutor`, each worker loading the same model by name and caching the
     residual stream). ``verbose`` progress counts layers.
     """
@@ -269,10 +269,12 @@ def single_head_sweep(
         "heads": f"{n_layers}x{n_heads}",
         "tokens": _tokens_key(tokens),
         "mode": mode,
+        "means": getattr(means, "z_mean", means) if mode == "mean" else None,  # by content
     }
     store = RowStore(
-        checkpoint, key=["layer", "head", "text"], settings=settings, what="checkpoint", fresh=_FRESH
-    )
+        checkpoint, key=["layer", "head", "text"], settings=settings, model=model, what="checkpoint",
+        fresh=_FRESH,
+    )  # fmt: skip
     items = []  # one per layer: the wanted heads not (fully) on file
     for layer, hs in wanted.items():
         todo = [h for h in hs if any((layer, h, t) not in store for t in range(n_texts))]
@@ -505,9 +507,9 @@ def retention_curves(
 
     ``checkpoint`` (``.csv``/``.parquet``) holds the rows of the orders already finished
     (:mod:`mechgeom.sweep`); they are read back, kept in the result (also orders not in ``orders``) and not
-    recomputed; an order absent from it is run. The file is tied to the model, the corpora (by token
-    content), the levels, the mode and the task items: another run's file is refused with a ``ValueError``
-    naming each difference.
+    recomputed; an order absent from it is run. The file is tied to the model (name, weights, dtype), the
+    corpora (by token content), the levels, the mode and ``means``, and the task items: another run's file is
+    refused with a ``ValueError`` naming each difference.
     ``on_order(frame_so_far)`` runs after each order; ``executor`` runs the orders elsewhere (as in
     :func:`single_head_sweep`).
     """
@@ -524,11 +526,13 @@ def retention_curves(
         "corpora": ";".join(f"{c}={_tokens_key(t)}" for c, t in corpora.items()),
         "levels": ",".join(str(round(r, 10)) for r, _ in levels_t),
         "mode": mode,
+        "means": getattr(means, "z_mean", means) if mode == "mean" else None,  # by content
         "task": "none" if task is None else f"{task[0]}={_items_key(task[1])}",
     }
     store = RowStore(
-        checkpoint, key=["order", "retention", "corpus"], settings=settings, what="checkpoint", fresh=_FRESH
-    )
+        checkpoint, key=["order", "retention", "corpus"], settings=settings, model=model, what="checkpoint",
+        fresh=_FRESH,
+    )  # fmt: skip
     items = [
         Item(key=(name,), rows=tuple((name, r, c) for r, _ in levels_t for c in names), data=list(order))
         for name, order in orders.items()

@@ -13,7 +13,8 @@ Writes under ``<out>/<model>/``:
   and the taxonomy ``label`` (:func:`mechgeom.analyses.heads.orders.head_table`; no label with
   ``--leaderboard-only``);
 - ``leaderboard.csv``: the single-head ablation leaderboard (most harmful first) with the MAD outlier flag;
-- ``sweep_checkpoint_<mode>.csv``: resumable sweep rows; ``retention_<mode>.csv``: resumable retention rows;
+- ``sweep_checkpoint_<mode>.csv``: resumable sweep rows; ``retention_<mode>.csv``: resumable retention rows
+  (each a sweep store, with its ``.log.jsonl`` and ``.lock`` beside it: ``docs/sweeps.md``);
 - ``retention.csv`` (tidy), ``comparison.csv`` (per corpus/task and retention level, each order's PPL or
   accuracy and the best order), ``retention_summary.csv`` (mean ΔPPL or accuracy per order);
 - ``summary.json``: headline numbers (:meth:`~mechgeom.analyses.heads.pruning.SingleHeadResult.summary`,
