@@ -170,7 +170,8 @@ def check_kernel(source: str, slots: tuple[str, ...], outputs: tuple[str, ...]) 
         "sh": "head_share",
     }
     temporaries = dict(re.findall(r"\*restrict o_(\w+) = tmp\[(\d)\]", source))
-    assert {short[k]: first + int(i) for k, i in temporaries.items()} == {n: slots.index(n) for n in c_intra}
+    in_code = {short[k]: first + int(i) for k, i in temporaries.items()}
+    assert in_code == {n: slots.index(n) for n in c_intra}, f"the row pass writes the slots {in_code}"
 
 
 def test_kernel_slots_agree_with_the_c_source_and_the_table() -> None:
