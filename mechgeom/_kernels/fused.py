@@ -26,7 +26,7 @@ It runs where :func:`available` says so: a CPU tensor in float32 or float64, a C
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -35,7 +35,7 @@ from mechgeom import maths
 from mechgeom._kernels import build
 from mechgeom.typing import WO, Bool, Float, Pattern, Tensor, Values, Z
 
-__all__ = ["FUSED_BLOCK_SIZE", "SLOTS", "LayerGeometry", "available", "sweep_blocks"]
+__all__ = ["FUSED_BLOCK_SIZE", "INPUTS", "OUTPUTS", "SLOTS", "LayerGeometry", "available", "sweep_blocks"]
 
 #: Queries per block of the fused sweep: smaller blocks waste less of the causal triangle in their matmuls
 #: (the C kernel skips those keys anyway). The measurements behind 64 are in ``docs/architecture.md``.
@@ -63,17 +63,12 @@ class LayerGeometry(Protocol):
     def scratch(self, name: str, shape: Sequence[int]) -> Tensor: ...
 
 
-#: The row kernel's argument slots, in order (see ``contribution_rows.c``).
-SLOTS = (
-    "alpha",
-    "d1",
-    "d2",
-    "vt_norm",
-    "inv_vt",
-    "inv_oh",
-    "inv_ol",
-    "keep",
-    "gram2",
+#: The row kernel's input slots, in order (see ``contribution_rows.c``).
+INPUTS = ("alpha", "d1", "d2", "vt_norm", "inv_vt", "inv_oh", "inv_ol", "keep", "gram2")
+#: The row kernel's output slots, after the inputs: the metrics it computes, by their keys in the table of
+#: :mod:`mechgeom.analyses.contribution.metrics` (``name`` intra-head, ``name_inter`` inter-head; a test reads
+#: the C source's slot list and checks both against it). Any other metric runs on the plain-torch sweep.
+OUTPUTS = (
     "value_weighted",
     "value_weighted_normalized",
     "contribution",
@@ -85,6 +80,8 @@ SLOTS = (
     "value_weighted_normalized_inter",
     "contribution_inter",
 )
+#: The row kernel's argument slots, in order: :data:`INPUTS`, then :data:`OUTPUTS`.
+SLOTS = INPUTS + OUTPUTS
 _SUFFIX = {torch.float32: "f32", torch.float64: "f64"}
 _I64, _INT, _PTR = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
 _ARGTYPES = {
@@ -199,19 +196,34 @@ def _out_norms(
     return inv_oh, inv_ol
 
 
-def sweep_blocks(geo: LayerGeometry, want: set[str], out: dict[str, Tensor], *, zeroed: bool) -> None:
-    """Write the metrics ``want`` of ``geo`` into ``out`` (full ``[b h q k]`` / ``[b q k]`` tensors, unit stride
-    along keys); ``zeroed``: ``out`` already holds 0 at every key after its query (see ``compute``)."""
+def sweep_blocks(
+    geo: LayerGeometry, want: set[str], out: dict[str, Tensor], *, needs: Collection[str], zeroed: bool
+) -> None:
+    """Write the metrics ``want`` (a subset of :data:`OUTPUTS`) of ``geo`` into ``out`` (full ``[b h q k]`` /
+    ``[b q k]`` tensors, unit stride along keys).
+
+    Args:
+        geo: The layer.
+        want: The metrics to compute.
+        out: Where to write each of them.
+        needs: Every quantity and metric they need, by the names of the table in
+            :mod:`mechgeom.analyses.contribution.metrics` (its ``plan(want)``): they say which of the kernel's
+            inputs to compute (``vt_norm``, ``gram``, ``inv_head_norm``, ``inv_layer_norm``, and the raw
+            products of ``factor_cos`` and ``head_share``).
+        zeroed: ``out`` already holds 0 at every key after its query (see ``compute``).
+    """
+    if not want <= set(OUTPUTS):
+        raise ValueError(f"the fused kernel has no slot for {sorted(want - set(OUTPUTS))}; it has {OUTPUTS}")
     alpha = geo.pattern if geo.pattern.stride(-1) == 1 else geo.pattern.contiguous()
     B, H, Q, _ = alpha.shape
     D = geo.v.shape[-1]
     dtype = alpha.dtype
-    need_d1 = bool(want & {"factor_cos", "contribution"})
-    need_d2 = bool(want & {"head_share", "contribution_inter"})
-    need_vn = need_d1 or bool(want & {"value_weighted", "value_weighted_normalized", "factor_norm_ratio"})
-    need_vwi = bool(want & {"value_weighted_inter", "value_weighted_normalized_inter"})
-    need_oh = need_vn or need_d1
-    need_ol = need_d2 or need_vwi
+    need_d1 = "factor_cos" in needs  # cos numerator z[i,h] M[h] . v[j,h]
+    need_d2 = "head_share" in needs  # (o[i] @ W_O[h].T) . v[j,h]
+    need_vn = need_d1 or "vt_norm" in needs  # the cosine divides by ‖vt‖
+    need_vwi = "gram" in needs
+    need_oh = need_d1 or "inv_head_norm" in needs  # and by ‖o[i,h]‖, from the product d1 is made of
+    need_ol = need_d2 or "inv_layer_norm" in needs
     mod = geo.modified  # [b h q] or None
     layouts = maths.wo_gram_layouts(geo.wo_gram_full)
 

@@ -3,9 +3,10 @@
 A source's share of a head's (or a layer's) attention output, ``c = <o_i, alpha_ij vt_j> / ‖o_i‖²``, beside
 raw attention and the value-weighted scores, computed layer by layer by a hook collector.
 
-Modules: :mod:`~.geometry` (the per-layer maths, :class:`LayerGeometry`), :mod:`~.weights` (the collector, the
-result and :func:`contribution_weights`), :mod:`~.stats` (headline statistics) and :mod:`~.overview` (the
-same statistics streamed over a corpus).
+Modules: :mod:`~.metrics` (the table that declares every metric, :data:`METRICS`), :mod:`~.geometry` (the
+per-layer maths, :class:`LayerGeometry`), :mod:`~.weights` (the collector, the result and
+:func:`contribution_weights`), :mod:`~.stats` (headline statistics) and :mod:`~.overview` (the same
+statistics streamed over a corpus).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from mechgeom.analyses.contribution.geometry import (
     INTRA_METRICS,
     LayerGeometry,
 )
+from mechgeom.analyses.contribution.metrics import METRICS, QUANTITIES, Metric, Quantity
 from mechgeom.analyses.contribution.overview import (
     ContributionOverview,
     contribution_overview,
@@ -49,12 +51,16 @@ __all__ = [
     "HEAD_STATISTICS",
     "INTER_METRICS",
     "INTRA_METRICS",
+    "METRICS",
+    "QUANTITIES",
     "RANKING_METRICS",
     "SUMMARY_METRICS",
     "ContributionCollector",
     "ContributionOverview",
     "ContributionResult",
     "LayerGeometry",
+    "Metric",
+    "Quantity",
     "ScoreTotals",
     "add_sums",
     "contribution_overview",

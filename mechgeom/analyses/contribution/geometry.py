@@ -18,11 +18,15 @@ token ``j``'s projected values. Norms of head outputs and projected values are q
 square is skipped. The pattern is taken as causal, as a decoder's is (mechgeom's interventions keep it so),
 unless ``causal=False``.
 
+**The metrics are data.** Each is a row of :data:`mechgeom.analyses.contribution.metrics.METRICS`: its name,
+scope, the quantities and metrics it needs, and its formula on one block of queries. The plain-torch sweep
+prepares the closure of those needs once per layer and evaluates each needed metric once per block.
+
 **Two sweeps, one set of numbers.** On CPU in float32/float64, where a C compiler is present, the blocked
-sweep is :mod:`~mechgeom._kernels.fused`: per block one matmul for both raw products and one
-pass of a small C kernel (built on first use, see :mod:`mechgeom._kernels.build`) that writes every metric once.
-Elsewhere (GPU, other dtypes, no compiler, ``MECHGEOM_NATIVE=0``) the plain-torch sweep below runs. The
-tests run both against the brute force.
+sweep of the metrics the C kernel has slots for is :mod:`~mechgeom._kernels.fused`: per block one matmul for
+both raw products and one pass of a small C kernel (built on first use, see :mod:`mechgeom._kernels.build`)
+that writes every metric once. Any other metric, and all of them elsewhere (GPU, other dtypes, no compiler,
+``MECHGEOM_NATIVE=0``), runs on the plain-torch sweep below. The tests run both against the brute force.
 
 **Encoder layout** (``causal=False``, a bidirectional model): every query is computed against every key.
 With ``key_mask`` (``[batch, key_pos]``, ``False`` at padding), every metric is exactly 0 wherever the key or
@@ -40,6 +44,8 @@ import torch
 
 from mechgeom import maths
 from mechgeom._kernels import fused
+from mechgeom.analyses.contribution import metrics
+from mechgeom.analyses.contribution.metrics import INTER_METRICS, INTRA_METRICS
 from mechgeom.hooks import LayerActivations, head_outputs
 from mechgeom.typing import WO, Bool, Float, HeadScores, LayerScores, Pattern, Tensor, Values, Z
 
@@ -51,19 +57,6 @@ __all__ = [
     "LayerGeometry",
 ]
 
-#: Per-head metrics, ``[batch, layer, head_index, query_pos, key_pos]``.
-INTRA_METRICS = (
-    "attention",
-    "value_weighted",
-    "value_weighted_normalized",
-    "contribution",
-    "head_share",
-    "factor_norm_ratio",
-    "factor_cos",
-)
-#: Whole-layer metrics, ``[batch, layer, query_pos, key_pos]``.
-INTER_METRICS = ("attention", "value_weighted", "value_weighted_normalized", "contribution")
-
 #: Queries per block of the blocked computation (see "Causal layout" in the module docstring): the plain-torch
 #: sweep's default (fewer, larger tensor operations pay there, on a GPU above all).
 BLOCK_SIZE = 128
@@ -71,16 +64,6 @@ BLOCK_SIZE = 128
 FUSED_BLOCK_SIZE = fused.FUSED_BLOCK_SIZE
 #: Tokens per batched matmul of :attr:`LayerGeometry.gram` (its temporary is ``[head, tokens, d_model]``).
 GRAM_CHUNK = 256
-
-
-def _inv_or_nan(den: Tensor) -> Tensor:
-    """``1 / den``, NaN where ``den == 0`` (so that a product with it is NaN there, also for a 0 numerator)."""
-    return torch.where(den == 0, torch.full_like(den, float("nan")), 1 / torch.where(den == 0, 1, den))
-
-
-def _inv_or_zero(den: Tensor) -> Tensor:
-    """``1 / den``, 0 where ``den == 0``."""
-    return torch.where(den == 0, torch.zeros_like(den), 1 / torch.where(den == 0, 1, den))
 
 
 class LayerGeometry:
@@ -234,7 +217,7 @@ class LayerGeometry:
     def output_share(self) -> Float[Tensor, "batch head_index query_pos"]:
         """``<o[i], o[i,h]> / ‖o[i]‖² = z[i,h] . (o[i] @ W_O[h].T) / ‖o[i]‖²``: head ``h``'s part of ``o[i]``."""
         dots = einops.einsum(self.z, self.layer_u, "b q h d, b q h d -> b h q")
-        return dots * (_inv_or_nan(self.layer_out_norm) ** 2)[:, None, :]
+        return dots * (metrics.inv_or_nan(self.layer_out_norm) ** 2)[:, None, :]
 
     @cached_property
     def modified_share(self) -> Float[Tensor, "batch head_index query_pos"]:
@@ -278,7 +261,7 @@ class LayerGeometry:
             block[:, gh] = pairs
         return out.view(B, K, H, H)
 
-    # ---- the metrics of docs/definitions.md §2.1, one function each (the formula is in the block kernels below)
+    # ---- the metrics of docs/definitions.md §2.1, one method each (their formulas are rows of metrics.METRICS)
     def attention(self) -> HeadScores:
         """Raw attention, intra-head: ``alpha[h,i,j]`` (0 at an encoder's padded queries too, see ``key_mask``)."""
         if self.key_mask is None:
@@ -339,10 +322,15 @@ class LayerGeometry:
         return self._get("factor_cos")
 
     def intra(self, name: str) -> HeadScores:
-        return getattr(self, name)()
+        """The intra-head metric ``name`` (a row of :data:`~mechgeom.analyses.contribution.metrics.METRICS`)."""
+        return self._metric(metrics.lookup(name, "intra"))
 
     def inter(self, name: str) -> LayerScores:
-        return getattr(self, _inter_key(name))()
+        """The inter-head metric ``name`` (a row of :data:`~mechgeom.analyses.contribution.metrics.METRICS`)."""
+        return self._metric(metrics.lookup(name, "inter"))
+
+    def _metric(self, m: metrics.Metric) -> Tensor:
+        return getattr(self, m.key)() if m.formula is None else self._get(m.key)
 
     # ---- the blocked sweep
     def _get(self, key: str) -> Tensor:
@@ -367,12 +355,15 @@ class LayerGeometry:
         (``key > query``), e.g. because they hold an earlier layer's metrics of a causal model with the same
         shape, untouched since; the fused sweep then does not write those entries again (the plain one
         writes the keys after a query up to the end of its block).
+
+        Raises:
+            ValueError: A name that is not a row of :data:`~mechgeom.analyses.contribution.metrics.METRICS`.
         """
-        keys = [m for m in intra if m != "attention"]
-        keys += [_inter_key(m) for m in inter]
-        buffers = dict(out_intra or {})
-        buffers.update({_inter_key(m): t for m, t in (out_inter or {}).items()})
-        self._sweep([k for k in keys if k not in self._metrics], buffers, zeroed=zeroed)
+        rows = [metrics.lookup(m, "intra") for m in intra] + [metrics.lookup(m, "inter") for m in inter]
+        buffers = {metrics.lookup(m, "intra").key: t for m, t in (out_intra or {}).items()}
+        buffers.update({metrics.lookup(m, "inter").key: t for m, t in (out_inter or {}).items()})
+        keys = [r.key for r in rows if r.formula is not None and r.key not in self._metrics]
+        self._sweep(keys, buffers, zeroed=zeroed)
         return {m: self.intra(m) for m in intra}, {m: self.inter(m) for m in inter}
 
     def _sweep(
@@ -381,11 +372,8 @@ class LayerGeometry:
         """Compute ``keys`` into ``self._metrics``, one block of queries ``q0:q1`` at a time against keys ``0:q1``
         (every key when not causal).
 
-        Shared products are arranged so that each output is written once per block: with
-        ``u[i,h] = o[i,h] @ W_O[h].T`` scaled by ``1/‖o[i,h]‖`` and ``v[j,h]`` by ``1/‖vt[j,h]‖``, one matmul
-        gives ``cos``; the ratio ``‖vt‖/‖o‖`` is an outer product, ``alpha * ratio`` the normalised value
-        weight and ``(alpha ratio) * cos`` the contribution. With ``o[i] @ W_O[h].T`` scaled by ``1/‖o[i]‖²``,
-        one matmul times ``alpha`` gives the head shares, whose sum over heads is ``c[i,j]``.
+        The metrics the C kernel has slots for (:data:`mechgeom._kernels.fused.OUTPUTS`) run on the fused
+        sweep where it is available, the others (and all of them elsewhere) on the plain one.
         """
         if not keys:
             return
@@ -398,7 +386,7 @@ class LayerGeometry:
         out = {}
         fresh = set()
         for k in want:
-            shape = (B, Q, Q) if k.endswith("_inter") else (B, H, Q, Q)
+            shape = (B, Q, Q) if metrics.lookup(k).scope == "inter" else (B, H, Q, Q)
             buf = buffers.get(k)
             if buf is not None and (tuple(buf.shape) != shape or buf.dtype != alpha.dtype):
                 raise ValueError(
@@ -407,58 +395,43 @@ class LayerGeometry:
             if buf is None:
                 fresh.add(k)
             out[k] = alpha.new_empty(shape) if buf is None else buf
-        if fused.available(alpha) and all(t.stride(-1) == 1 for t in out.values()):
+        plain = set(want)
+        kernel = want & set(fused.OUTPUTS)
+        if kernel and fused.available(alpha) and all(out[k].stride(-1) == 1 for k in kernel):
             if zeroed:  # the kernel writes the keys after a query only where the buffer is not known to be 0
-                for k in fresh:
+                for k in fresh & kernel:
                     out[k].zero_()
-            fused.sweep_blocks(self, want, out, zeroed=zeroed)
-        else:
-            self._eager_blocks(want, out, [out[k] for k in fresh] if zeroed else list(out.values()))
+            quantities, steps = metrics.plan(kernel)
+            needs = {q.name for q in quantities} | {m.key for m in steps}
+            fused.sweep_blocks(self, kernel, {k: out[k] for k in kernel}, needs=needs, zeroed=zeroed)
+            plain -= kernel
+        if plain:
+            to_zero = [out[k] for k in plain if k in fresh or not zeroed]
+            self._eager_blocks(plain, {k: out[k] for k in plain}, to_zero)
         if self.key_mask is not None:  # an encoder's padding: neither a source nor a query
             real = self.key_mask[:, :, None] & self.key_mask[:, None, :]  # [b q k]
             for k, t in out.items():
-                t.masked_fill_(~(real if k.endswith("_inter") else real[:, None]), 0)
+                t.masked_fill_(~(real if metrics.lookup(k).scope == "inter" else real[:, None]), 0)
         self._metrics.update(out)
 
     def _eager_blocks(self, want: set[str], out: dict[str, Tensor], to_zero: list[Tensor]) -> None:
-        """The plain-torch sweep (the fused one, :mod:`~mechgeom._kernels.fused`, gives the same
-        numbers); ``to_zero``: the outputs whose keys after each block must be written 0."""
+        """The plain-torch sweep (the fused one, :mod:`~mechgeom._kernels.fused`, gives the same numbers) of the
+        metrics ``want`` into ``out``; ``to_zero``: the outputs whose keys after each block must be written 0.
+
+        What it computes is read off the table (:func:`mechgeom.analyses.contribution.metrics.plan`): the
+        quantities the metrics need, once per layer, then per block every metric they need, once each (into
+        ``out`` where it is kept), each by its row's formula.
+        """
+        quantities, steps = metrics.plan(want)
+        prepared: dict[str, Tensor] = {}
+        for quantity in quantities:
+            prepared[quantity.name] = quantity.prepare(self, prepared)
         alpha = self.pattern
         Q = alpha.shape[-1]
-        need_cos = bool(want & {"factor_cos", "contribution"})
-        need_vwn = bool(want & {"value_weighted_normalized", "contribution"})
-        need_ratio = need_vwn or "factor_norm_ratio" in want
-        need_share = bool(want & {"head_share", "contribution_inter"})
-        need_vwi = bool(want & {"value_weighted_inter", "value_weighted_normalized_inter"})
-        need_oh = need_cos or need_ratio
-        if need_vwi:  # first, so that vt_norm is read off its diagonal
-            gram = einops.rearrange(self.gram, "b k h g -> h g b k").contiguous()
-        vt_norm = (
-            self.vt_norm[:, :, None, :] if (need_ratio or "value_weighted" in want) else None
-        )  # [b h 1 k]
-        mod = self.modified  # [b h q] or None
-        keep = None if mod is None else (~mod).to(alpha.dtype)[..., None]  # [b h q 1]
-        inv_oh = _inv_or_nan(self.head_out_norm)[..., None] if need_oh else None  # [b h q 1]
-        if inv_oh is not None and mod is not None:  # no per-source terms for a modified head
-            inv_oh = inv_oh.masked_fill(mod[..., None], float("nan"))
-        inv_ol = _inv_or_nan(self.layer_out_norm) if need_share or need_vwi else None  # [b q]
-        v_t = einops.rearrange(self.v, "b k h d -> b h d k").contiguous()  # sliced per block, never copied
-        if need_cos:
-            assert inv_oh is not None
-            u_cos = einops.rearrange(self.head_u, "b q h d -> b h q d") * inv_oh
-            v_cos = v_t * _inv_or_zero(self.vt_norm)[:, :, None, :]
-        if need_share:
-            assert inv_ol is not None
-            u_share = einops.rearrange(self.layer_u, "b q h d -> b h q d") * (inv_ol**2)[:, None, :, None]
-            if keep is not None:
-                u_share = u_share * keep  # a modified head's shares c[h→i,j] are exactly 0
+        keep = None if self.modified is None else (~self.modified).to(alpha.dtype)[..., None]  # [b h q 1]
         # alpha-weighted outputs are already 0 above the diagonal, except in NaN rows; factors never are
-        factors = [out[k] for k in ("factor_norm_ratio", "factor_cos") if k in out]
-        others = [t for k, t in out.items() if k not in ("factor_norm_ratio", "factor_cos")]
-        nan_h = inv_oh.isnan()[..., 0].any((0, 1)) if inv_oh is not None else torch.zeros(Q, dtype=torch.bool)
-        nan_l = inv_ol.isnan().any(0) if inv_ol is not None else torch.zeros(Q, dtype=torch.bool)
-        nan_m = mod.any((0, 1)) if mod is not None else torch.zeros(Q, dtype=torch.bool)
-        nan_rows = (nan_h.cpu() | nan_l.cpu() | nan_m.cpu()).tolist()
+        factors = [t for k, t in out.items() if metrics.lookup(k).factor]
+        nan_rows = self._nan_rows(quantities, prepared)
         step = self.block_size or BLOCK_SIZE
         bs = min(step, Q)
         upper = torch.ones(bs, bs, dtype=torch.bool, device=alpha.device).triu_(1)  # key > query in a block
@@ -467,41 +440,10 @@ class LayerGeometry:
         for q0 in range(0, Q, step):
             q1 = min(q0 + step, Q)
             k1 = q1 if self.causal else Q  # the keys these queries see
-            a = alpha[:, :, q0:q1, :k1]
-
-            def dst(key: str, q0: int = q0, q1: int = q1, k1: int = k1) -> Tensor | None:
-                return out[key][..., q0:q1, :k1] if key in out else None
-
-            if "value_weighted" in want:
-                assert vt_norm is not None
-                vw = _value_weighted(a, vt_norm[..., :k1], out=dst("value_weighted"))
-                if mod is not None:
-                    vw.masked_fill_(mod[:, :, q0:q1, None], float("nan"))
-            if need_ratio:
-                assert vt_norm is not None and inv_oh is not None
-                ratio = _factor_norm_ratio(
-                    vt_norm[..., :k1], inv_oh[:, :, q0:q1], out=dst("factor_norm_ratio")
-                )
-            if need_vwn:
-                vwn = _value_weighted_normalized(a, ratio, out=dst("value_weighted_normalized"))
-            if need_cos:
-                cos = _factor_cos(u_cos[:, :, q0:q1], v_cos[..., :k1], out=dst("factor_cos"))
-            if "contribution" in want:
-                _contribution(vwn, cos, out=dst("contribution"))
-            if need_share:
-                share = _head_share(a, u_share[:, :, q0:q1], v_t[..., :k1], out=dst("head_share"))
-            if "contribution_inter" in want:
-                _contribution_inter(share, out=dst("contribution_inter"))
-            if "attention_inter" in want:
-                _attention_inter(a, out=dst("attention_inter"))
-            if need_vwi:
-                a_kept = a if keep is None else a * keep[:, :, q0:q1]  # unmodified heads only
-                vwi = _value_weighted_inter(a_kept, gram[..., :k1], out=dst("value_weighted_inter"))
-            if "value_weighted_normalized_inter" in want:
-                assert inv_ol is not None
-                _value_weighted_normalized_inter(
-                    vwi, inv_ol[:, q0:q1, None], out=dst("value_weighted_normalized_inter")
-                )
+            block = _Block(self, prepared, keep, q0, q1, k1)
+            for m in steps:
+                assert m.formula is not None
+                block.done[m.key] = m.formula(block, out[m.key][..., q0:q1, :k1] if m.key in out else None)
 
             if not self.causal:
                 continue
@@ -511,87 +453,48 @@ class LayerGeometry:
                     t[..., q0:q1, q1:].zero_()
             n = q1 - q0
             if any(nan_rows[q0:q1]):  # NaN * 0 is NaN: fill instead
-                for t in factors + others:
+                for t in out.values():
                     t[..., q0:q1, q0:q1].masked_fill_(upper[:n, :n], 0)
             else:
                 for t in factors:
                     t[..., q0:q1, q0:q1].mul_(lower[:n, :n])
 
-
-def _inter_key(name: str) -> str:
-    return "contribution_inter" if name == "contribution" else f"{name}_inter"
-
-
-# ---- the formulas of docs/definitions.md §2.1 on one block of queries (views, ``out=`` a view of the result)
-
-
-def _value_weighted(alpha: Tensor, vt_norm: Tensor, out: Tensor | None) -> Tensor:
-    """``alpha[h,i,j] * ‖vt[j,h]‖``."""
-    return torch.mul(alpha, vt_norm, out=out)
-
-
-def _value_weighted_normalized(alpha: Tensor, ratio: Tensor, out: Tensor | None) -> Tensor:
-    """``alpha[h,i,j] * ‖vt[j,h]‖ / ‖o[i,h]‖ = alpha * ratio`` (``ratio = ‖vt[j,h]‖ / ‖o[i,h]‖``, NaN where
-    ``‖o[i,h]‖ = 0``)."""
-    return torch.mul(alpha, ratio, out=out)
+    def _nan_rows(self, quantities: list[metrics.Quantity], prepared: dict[str, Tensor]) -> list[bool]:
+        """Per query, whether a metric of its row may be NaN (a quantity on the query axis is NaN there, or a
+        head is modified there; every query where a quantity on the key axis has a NaN)."""
+        Q = self.pattern.shape[-1]
+        rows = torch.zeros(Q, dtype=torch.bool)
+        if self.modified is not None:
+            rows |= self.modified.any(0).any(0).cpu()
+        for quantity in quantities:
+            nan = prepared[quantity.name].isnan()
+            if quantity.axis == "query":
+                rows |= nan.any(-1).reshape(-1, Q).any(0).cpu()
+            elif bool(nan.any()):
+                rows[:] = True
+        return rows.tolist()
 
 
-def _factor_norm_ratio(vt_norm: Tensor, inv_o: Tensor, out: Tensor | None) -> Tensor:
-    """``‖vt[j,h]‖ / ‖o[i,h]‖``."""
-    return torch.mul(vt_norm, inv_o, out=out)
+class _Block:
+    """One block of queries ``q0:q1`` against keys ``0:k1``, as the formulas see it
+    (:class:`mechgeom.analyses.contribution.metrics.Block`); ``done`` holds the block's metrics so far."""
 
+    def __init__(
+        self, geo: LayerGeometry, prepared: dict[str, Tensor], keep: Tensor | None, q0: int, q1: int, k1: int
+    ) -> None:
+        self.alpha = geo.pattern[:, :, q0:q1, :k1]
+        self.modified = None if geo.modified is None else geo.modified[:, :, q0:q1, None]
+        self.keep = None if keep is None else keep[:, :, q0:q1]
+        self.done: dict[str, Tensor] = {}
+        self._prepared, self._rows, self._k1 = prepared, slice(q0, q1), k1
 
-def _factor_cos(u_unit: Tensor, v_unit: Tensor, out: Tensor | None) -> Tensor:
-    """``cos(o[i,h], vt[j,h]) = (o[i,h] @ W_O[h].T / ‖o[i,h]‖) . (v[j,h] / ‖vt[j,h]‖)``, one matmul in ``d_head``.
-
-    ``u_unit [b h q d]`` is ``o @ W_O[h].T / ‖o‖`` (NaN rows where ``‖o‖ = 0``); ``v_unit [b h d k]`` is
-    ``v / ‖vt‖`` (0 where ``‖vt‖ = 0``, giving a cosine of 0).
-    """
-    return torch.matmul(u_unit, v_unit, out=out)
-
-
-def _contribution(vwn: Tensor, cos: Tensor, out: Tensor | None) -> Tensor:
-    """``c[h,i,j] = <o[i,h], alpha[h,i,j] vt[j,h]> / ‖o[i,h]‖² = (alpha ‖vt[j,h]‖ / ‖o[i,h]‖) * cos(o[i,h], vt[j,h])``."""
-    return torch.mul(vwn, cos, out=out)
-
-
-def _head_share(alpha: Tensor, u_share: Tensor, v_t: Tensor, out: Tensor | None) -> Tensor:
-    """``c[h→i,j] = <o[i], alpha[h,i,j] vt[j,h]> / ‖o[i]‖² = alpha * v[j,h] . (o[i] @ W_O[h].T / ‖o[i]‖²)``.
-
-    ``u_share [b h q d]`` is ``o[i] @ W_O[h].T / ‖o[i]‖²``; ``v_t [b h d k]``.
-    """
-    share = torch.matmul(u_share, v_t, out=out)
-    return share.mul_(alpha)
-
-
-def _contribution_inter(share: Tensor, out: Tensor | None) -> Tensor:
-    """``c[i,j] = <o[i], sum_h alpha[h,i,j] vt[j,h]> / ‖o[i]‖² = sum_h c[h→i,j]``."""
-    return torch.sum(share, dim=1, out=out)
-
-
-def _attention_inter(alpha: Tensor, out: Tensor | None) -> Tensor:
-    """``mean_h alpha[h,i,j]``."""
-    return torch.mean(alpha, dim=1, out=out)
-
-
-def _value_weighted_inter(
-    alpha: Float[Tensor, "batch head_index q k"],
-    gram: Float[Tensor, "head_index head_index2 batch k"],
-    out: Tensor | None = None,
-) -> Float[Tensor, "batch q k"]:
-    """``‖sum_h alpha[h,i,j] vt[j,h]‖ = sqrt(sum_{h,g} alpha[h,i,j] alpha[g,i,j] G_j[h,g])`` (``G`` symmetric)."""
-    n_heads = alpha.shape[1]
-    twice = gram * 2.0  # [h g b k]: pre-scaled, since addcmul_(value=2) with broadcasting is a slow path
-    sq = torch.zeros_like(alpha[:, 0]) if out is None else out.zero_()
-    acc = torch.empty_like(alpha[:, 0])  # [b q k]
-    for h in range(n_heads):
-        torch.mul(alpha[:, h], gram[h, h][:, None, :], out=acc)
-        for g in range(h + 1, n_heads):
-            acc.addcmul_(alpha[:, g], twice[h, g][:, None, :])
-        sq.addcmul_(acc, alpha[:, h])
-    return sq.clamp_min_(0).sqrt_()
-
-
-def _value_weighted_normalized_inter(vwi: Tensor, inv_o: Tensor, out: Tensor | None) -> Tensor:
-    """``‖sum_h alpha[h,i,j] vt[j,h]‖ / ‖o[i]‖``."""
-    return torch.mul(vwi, inv_o, out=out)
+    def __getitem__(self, name: str) -> Tensor:
+        if name in self.done:
+            return self.done[name]
+        if name not in self._prepared:
+            raise KeyError(
+                f"a formula read {name!r}, which is neither a prepared quantity nor an earlier metric of this "
+                f"block: list it in its row's needs (metrics.METRICS)"
+            )
+        t = self._prepared[name]
+        return t[..., self._rows, :] if metrics.QUANTITIES[name].axis == "query" else t[..., : self._k1]
