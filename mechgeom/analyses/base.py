@@ -42,9 +42,9 @@ from mechgeom.hooks import (
     TokensOrText,
     hook_name,
     run_batches,
-    to_tokens,
+    to_batch,
 )
-from mechgeom.typing import Tokens
+from mechgeom.typing import Tensor, Tokens
 
 __all__ = [
     "Collector",
@@ -179,13 +179,15 @@ class Collector(abc.ABC):
             raise nothing_collected(missing)
         return self.build(None if tokens is None else tokens.detach().cpu())
 
-    def feed_cache(self, cache: Any) -> None:
+    def feed_cache(self, cache: Any, attention_mask: Tensor | None = None) -> None:
         """Read an ``ActivationCache`` (or a dict of activations) through the same path as the hooks.
 
-        A cache taken under a ``hook_z`` patch is marked like a live pass. Raises as :func:`check_cache`.
+        A cache taken under a ``hook_z`` patch is marked like a live pass. ``attention_mask`` (``[batch,
+        pos]``, 1 at real tokens) marks the cached pass' padding; a decoder's positions are all real without
+        it. Raises as :func:`check_cache`.
         """
         check_cache(cache, self.layers)
-        self.reader.feed_cache(cache)
+        self.reader.feed_cache(cache, attention_mask)
 
 
 def _shared_reader(readers: Sequence[LayerCollector]) -> LayerCollector:
@@ -231,6 +233,7 @@ def collect(
     extra_hooks: Sequence[FwdHook] = (),
     desc: str = "batches",
     verbose: bool = False,
+    attention_mask: Tensor | None = None,
 ) -> Any:
     """Feed one collector or several from ONE forward pass per batch of ``batch_size`` texts.
 
@@ -246,6 +249,9 @@ def collect(
         batch_size: texts per forward pass.
         extra_hooks: ``(hook_name, fn)`` pairs run in the same passes, before the readers.
         desc: the progress bar's label; ``verbose`` shows it.
+        attention_mask: ``[batch, pos]``, 1 at real tokens. The default is the padding of a list of texts
+            (left or right, the model's padding side) and an encoder's ``[PAD]`` ids
+            (:func:`~mechgeom.hooks.to_batch`); pads are then never sources, queries, targets or sinks.
 
     Returns:
         The collector's result, or a list of results in the order of ``collectors``.
@@ -268,7 +274,9 @@ def collect(
     """
     cols, many = _as_collectors(collectors)
     encoders = all(c.supports_encoders for c in cols)  # an encoder needs every one to
-    tokens = to_tokens(model, tokens, what="collect with these collectors", encoders=encoders)
+    tokens, mask = to_batch(
+        model, tokens, attention_mask=attention_mask, what="collect with these collectors", encoders=encoders
+    )
     stop = 1 + max(max(c.layers) for c in cols)
     groups: dict[tuple[int, float | None, bool], list[LayerCollector]] = {}
     for c in cols:
@@ -277,7 +285,16 @@ def collect(
     hooks = list(extra_hooks)
     for readers in groups.values():
         hooks += (readers[0] if len(readers) == 1 else _shared_reader(readers)).fwd_hooks
-    run_batches(model, tokens, hooks, batch_size=batch_size, stop_at_layer=stop, desc=desc, verbose=verbose)
+    run_batches(
+        model,
+        tokens,
+        hooks,
+        batch_size=batch_size,
+        stop_at_layer=stop,
+        desc=desc,
+        verbose=verbose,
+        attention_mask=mask,
+    )
     results = [c.result(tokens) for c in cols]
     return results if many else results[0]
 
@@ -294,6 +311,7 @@ def run_collector(
     desc: str = "batches",
     min_pos: int = 1,
     what: str = "this analysis",
+    attention_mask: Tensor | None = None,
 ) -> Any:
     """The body of every entry point: run ``collector`` on ``tokens_or_text``, or read ``cache``.
 
@@ -309,6 +327,9 @@ def run_collector(
         batch_size: texts per forward pass.
         verbose: a progress bar over batches, labelled ``desc``.
         min_pos: the fewest positions per text the analysis needs; ``what`` names it in the error.
+        attention_mask: ``[batch, pos]``, 1 at real tokens; by default the padding of a list of texts and an
+            encoder's ``[PAD]`` ids (:func:`~mechgeom.hooks.to_batch`). With ``cache`` it marks the cached
+            pass' padding (derived from ``tokens_or_text`` the same way when they are given).
 
     Returns:
         The collector's :class:`Result`.
@@ -321,18 +342,32 @@ def run_collector(
                 "the interventions when you make the cache (model.run_with_cache(..., ) inside "
                 "model.hooks(fwd_hooks=...)), or pass text or tokens instead of cache"
             )
-        tokens = (
-            None
-            if tokens_or_text is None
-            else to_tokens(model, tokens_or_text, min_pos=min_pos, what=what, encoders=encoders)
-        )
-        collector.feed_cache(cache)
+        tokens, mask = None, attention_mask
+        if tokens_or_text is not None:
+            tokens, mask = to_batch(
+                model,
+                tokens_or_text,
+                attention_mask=attention_mask,
+                min_pos=min_pos,
+                what=what,
+                encoders=encoders,
+            )
+        collector.feed_cache(cache, mask)
         return collector.result(tokens)
     if tokens_or_text is None:
         raise ValueError("give text or token ids to analyse, or cache= with the activations of a pass")
-    tokens = to_tokens(model, tokens_or_text, min_pos=min_pos, what=what, encoders=encoders)
+    tokens, mask = to_batch(
+        model, tokens_or_text, attention_mask=attention_mask, min_pos=min_pos, what=what, encoders=encoders
+    )
     if batch_size < 1:
         raise ValueError(f"batch_size must be positive, got {batch_size}")
     return collect(
-        model, tokens, collector, batch_size=batch_size, extra_hooks=extra_hooks, desc=desc, verbose=verbose
+        model,
+        tokens,
+        collector,
+        batch_size=batch_size,
+        extra_hooks=extra_hooks,
+        desc=desc,
+        verbose=verbose,
+        attention_mask=mask,
     )

@@ -16,8 +16,10 @@ them, so an analysis streams over layers and never holds more than one layer's a
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -44,6 +46,8 @@ __all__ = [
     "layer_b_O",
     "modified_mask",
     "modified_pairs",
+    "pass_mask",
+    "real_positions",
     "run_batches",
     "run_hooks",
 ]
@@ -266,6 +270,40 @@ def _attended_keys(pattern: Pattern) -> Bool[Tensor, "batch key_pos"] | None:
     return None if bool(seen.all()) else seen
 
 
+#: The mask of real tokens of the forward pass running now (set by :func:`run_hooks` / :func:`pass_mask`).
+_PASS_MASK: contextvars.ContextVar[Tensor | None] = contextvars.ContextVar("mechgeom_pass_mask", default=None)
+
+
+@contextlib.contextmanager
+def pass_mask(mask: Bool[Tensor, "batch pos"] | None) -> Iterator[None]:
+    """Tell the readers which tokens of the pass run inside this block are real (``True``) and which padding.
+
+    :func:`run_hooks` does it for every pass mechgeom runs. Wrap your own ``model.run_with_hooks(tokens,
+    attention_mask=mask, fwd_hooks=collector.fwd_hooks)`` in ``with pass_mask(mask):`` to give the readers the
+    same mask; without it a decoder's positions all count as text (:func:`real_positions`).
+    """
+    token = _PASS_MASK.set(None if mask is None else mask.detach().bool())
+    try:
+        yield
+    finally:
+        _PASS_MASK.reset(token)
+
+
+def real_positions(pattern: Pattern, causal: bool) -> Bool[Tensor, "batch key_pos"] | None:
+    """The real (non-padding) positions of a pass that came with no mask (:func:`pass_mask`).
+
+    On an encoder, padding is a key that no query attends to in any head (its ``[PAD]`` keys are masked).
+    On a decoder nothing is read off the pattern: an intervention that masks sources (sufficiency, a
+    knock-out) leaves keys with no weight that are still text, so a decoder's padding is known only from a
+    mask: the texts' lengths (:func:`~mechgeom.hooks.validation.to_batch`), ``attention_mask=``, or
+    :func:`pass_mask` around a pass of your own. Without one every position is real.
+
+    Returns:
+        ``[batch, pos]`` bools, ``None`` when every position is real.
+    """
+    return None if causal else _attended_keys(pattern)
+
+
 class LayerCollector:
     """Reads ``hook_pattern``, ``hook_v`` and ``hook_z`` of chosen layers; streams them to ``on_layer``.
 
@@ -334,12 +372,25 @@ class LayerCollector:
                 b_O=layer_b_O(self.model, layer).detach(),
                 modified=modified,
                 causal=self.causal,
-                key_mask=None if self.causal else _attended_keys(slot["pattern"]),
+                key_mask=self._key_mask(slot["pattern"]),
             )
             if self.on_layer is None:
                 self.captured[layer] = acts
             else:
                 self.on_layer(acts)
+
+    def _key_mask(self, pattern: Pattern) -> Tensor | None:
+        """The pass' real tokens: the mask given for it (:func:`pass_mask`), else read off the pattern."""
+        mask = _PASS_MASK.get()
+        if mask is None:
+            return real_positions(pattern, self.causal)
+        if tuple(mask.shape) != (pattern.shape[0], pattern.shape[-1]):
+            raise ValueError(
+                f"the pass' attention mask is {tuple(mask.shape)}, but the pattern is [batch={pattern.shape[0]}, "
+                f"key_pos={pattern.shape[-1]}]: give the mask of the tokens of this pass"
+            )
+        mask = mask.to(pattern.device)
+        return None if bool(mask.all()) else mask
 
     def _warn_if_read_before_a_change(self, hook: HookPoint, layer: int, kind: str) -> None:
         """Warn (once per hook point) when a hook that is not a reader runs after this one on the same point.
@@ -373,8 +424,13 @@ class LayerCollector:
                 hooks.append((hook_name(layer, kind), partial(self._store, layer=layer, kind=kind)))  # type: ignore[arg-type]
         return hooks
 
-    def feed_cache(self, cache: Any) -> None:
-        """Replay an ``ActivationCache`` (or a dict of activations) through the same path as the hooks."""
+    def feed_cache(self, cache: Any, attention_mask: Bool[Tensor, "batch pos"] | None = None) -> None:
+        """Replay an ``ActivationCache`` (or a dict of activations) through the same path as the hooks;
+        ``attention_mask`` marks the cached pass' real tokens (default: read off the pattern)."""
+        with pass_mask(attention_mask):
+            self._feed(cache)
+
+    def _feed(self, cache: Any) -> None:
         for layer in self.layers:
             for kind in ("v", "pattern", "z"):
                 name = hook_name(layer, kind)
@@ -399,19 +455,24 @@ def run_hooks(
 ) -> Any:
     """One forward pass with ``fwd_hooks``; the hooks are removed afterwards, also if a hook raises.
 
-    On an encoder, ``attention_mask`` (default: :func:`~mechgeom.hooks.validation.padding_mask` of
-    ``tokens``) keeps padded keys out of every query's attention. The backend's adapter
-    (:meth:`~mechgeom.models.adapter.ModelAdapter.forward_kwargs`) passes it and ``stop_at_layer`` the way
-    the model takes them, and refuses a mask the model would ignore.
+    ``attention_mask`` (``[batch, pos]``, 1 at real tokens; on an encoder the default is
+    :func:`~mechgeom.hooks.validation.padding_mask` of ``tokens``) keeps padded keys out of every query's
+    attention, left or right padding alike, and tells the readers which positions are real
+    (:func:`pass_mask`). The backend's adapter (:meth:`~mechgeom.models.adapter.ModelAdapter.forward_kwargs`)
+    passes it and ``stop_at_layer`` the way the model takes them, and refuses a mask the model would ignore.
+    A mask with no padding is not passed, so an unpadded pass is the plain forward.
     """
     if attention_mask is None and is_bidirectional(model):
         attention_mask = padding_mask(model, tokens)
     if attention_mask is not None:
         check_attention_mask(attention_mask, tokens)
+        if bool(attention_mask.bool().all()):
+            attention_mask = None
     kwargs = adapter(model).forward_kwargs(
         return_type=return_type, stop_at_layer=stop_at_layer, attention_mask=attention_mask
     )
-    with torch.no_grad(), model.hooks(fwd_hooks=list(fwd_hooks), reset_hooks_end=True):
+    mask = None if attention_mask is None else attention_mask.to(tokens.device).bool()
+    with torch.no_grad(), pass_mask(mask), model.hooks(fwd_hooks=list(fwd_hooks), reset_hooks_end=True):
         return model(tokens, **kwargs)
 
 
@@ -424,16 +485,21 @@ def run_batches(
     stop_at_layer: int | None = None,
     desc: str = "batches",
     verbose: bool = False,
+    attention_mask: Bool[Tensor, "batch pos"] | None = None,
 ) -> None:
     """Feed ``tokens`` to the model in batches of ``batch_size`` texts with ``fwd_hooks`` (readers that
     accumulate, e.g. a collector's), a :func:`mechgeom._progress.progress` bar over batches (``desc``);
-    every batch goes through :func:`run_hooks`, so no hook stays attached, also on error."""
+    every batch goes through :func:`run_hooks` with its rows of ``attention_mask``, so no hook stays
+    attached, also on error."""
     if batch_size < 1:
         raise ValueError(f"batch_size must be positive, got {batch_size}")
+    if attention_mask is not None:
+        check_attention_mask(attention_mask, tokens)
     starts = range(0, tokens.shape[0], batch_size)
     for start in progress(starts, desc=desc, enabled=verbose, total=len(starts)):
         batch = tokens[start : start + batch_size].to(model.cfg.device)
-        run_hooks(model, batch, fwd_hooks, stop_at_layer=stop_at_layer)
+        mask = None if attention_mask is None else attention_mask[start : start + batch_size].to(batch.device)
+        run_hooks(model, batch, fwd_hooks, stop_at_layer=stop_at_layer, attention_mask=mask)
 
 
 def has_hooks(model: Any) -> bool:

@@ -17,15 +17,21 @@ from mechgeom.models.adapter import adapter
 from mechgeom.typing import Bool, Tensor, Tokens
 
 __all__ = [
+    "Queries",
     "TokensOrText",
     "check_attention_mask",
     "check_decoder",
     "check_index",
     "check_indices",
     "is_bidirectional",
+    "pad_texts",
     "padding_mask",
+    "padding_side",
     "resolve_heads",
     "resolve_layers",
+    "select_queries",
+    "text_positions",
+    "to_batch",
     "to_tokens",
     "token_strings",
 ]
@@ -178,7 +184,8 @@ def padding_mask(model: Any, tokens: Tokens) -> Bool[Tensor, "batch pos"] | None
     """An encoder's mask of real tokens, ``tokens != pad_token_id``; ``None`` when nothing is padding.
 
     Only for a bidirectional model with a tokenizer that has a pad token (BERT's ``[PAD]`` never occurs in
-    tokenised text); a decoder's padding is right of its text and never seen by it, so ``None`` there.
+    tokenised text), so ``None`` on a decoder: a decoder's pad id is often a real token, and its padding is
+    known from the texts' lengths instead (:func:`pad_texts`, :func:`to_batch`).
 
     >>> from types import SimpleNamespace
     >>> m = SimpleNamespace(cfg=SimpleNamespace(attention_dir="bidirectional"),
@@ -264,10 +271,7 @@ def to_tokens(
     if texts is not None:
         if any(not t.strip() for t in texts):
             raise ValueError("empty text: give at least one non-blank string")
-        if is_bidirectional(model):
-            tokens = _encoder_tokens(model, texts)
-        else:
-            tokens = model.to_tokens(texts if len(texts) > 1 else texts[0], truncate=False)
+        tokens = _encoder_tokens(model, texts) if is_bidirectional(model) else pad_texts(model, texts)[0]
     if tokens.dtype == torch.bool or tokens.dtype.is_floating_point or tokens.dtype.is_complex:
         raise TypeError(f"token ids must be an integer tensor, got dtype {tokens.dtype}")
     if tokens.ndim == 1:
@@ -289,6 +293,198 @@ def to_tokens(
             f"(shape {tuple(tokens.shape)})"
         )
     return tokens.long().to(cfg.device)
+
+
+def padding_side(model: Any) -> str:
+    """Where a decoder's texts are padded: the tokenizer's ``padding_side`` (what TransformerLens'
+    ``to_tokens`` uses too), ``"right"`` without a tokenizer; set ``model.tokenizer.padding_side = "left"``
+    to pad on the left."""
+    side = str(getattr(getattr(model, "tokenizer", None), "padding_side", None) or "right")
+    if side not in ("left", "right"):
+        raise ValueError(f"padding side {side!r}: expected 'left' or 'right'")
+    return side
+
+
+def _pad_id(model: Any) -> int:
+    tok = getattr(model, "tokenizer", None)
+    for name in ("pad_token_id", "eos_token_id", "bos_token_id"):
+        value = getattr(tok, name, None)
+        if value is not None:
+            return int(value)
+    return 0
+
+
+def pad_texts(
+    model: Any, texts: Sequence[str], *, side: str | None = None
+) -> tuple[Tokens, Bool[Tensor, "batch pos"] | None]:
+    """A decoder's texts as one ``[batch, pos]`` batch and its mask of real tokens.
+
+    Each text is tokenised alone (``model.to_tokens``, so the model's BOS rule holds), then padded with the
+    tokenizer's pad token on ``side`` (default :func:`padding_side`). The mask comes from the lengths, never
+    from the ids, because a pad id is often also a real token (SmolLM2's pad is its ``<|endoftext|>``).
+
+    Returns:
+        ``(tokens, mask)``; ``mask`` is ``None`` when every text has the same length (nothing is padding).
+    """
+    side = padding_side(model) if side is None else side
+    rows = [model.to_tokens(t, truncate=False)[0].cpu() for t in texts]
+    n = max(len(r) for r in rows)
+    tokens = torch.full((len(rows), n), _pad_id(model), dtype=torch.long)
+    mask = torch.zeros((len(rows), n), dtype=torch.bool)
+    for b, r in enumerate(rows):
+        cols = slice(0, len(r)) if side == "right" else slice(n - len(r), n)
+        tokens[b, cols] = r
+        mask[b, cols] = True
+    return tokens, (None if bool(mask.all()) else mask)
+
+
+def to_batch(
+    model: Any,
+    tokens_or_text: TokensOrText,
+    *,
+    attention_mask: Any = None,
+    min_pos: int = 1,
+    what: str = "this analysis",
+    encoders: bool = False,
+) -> tuple[Tokens, Bool[Tensor, "batch pos"] | None]:
+    """:func:`to_tokens` and the mask of real tokens that goes with them: what every entry point analyses.
+
+    The mask is ``attention_mask`` when given (checked against the tokens); otherwise, for a list of texts of
+    a decoder, the padding :func:`pad_texts` added (left or right, the model's :func:`padding_side`); for an
+    encoder, its ``[PAD]`` ids (:func:`padding_mask`). Token ids given as a tensor are taken as all real
+    unless ``attention_mask`` says otherwise: a pad id is often a real token too.
+
+    Returns:
+        ``(tokens, mask)`` on the model's device; ``mask`` is a bool ``[batch, pos]`` tensor, or ``None`` when
+        every position is real.
+
+    Raises:
+        As :func:`to_tokens`; and as :func:`check_attention_mask` for a mask of another shape or with values
+        other than 0 and 1, or one that leaves a text with fewer than ``min_pos`` real tokens.
+
+    >>> from types import SimpleNamespace
+    >>> m = SimpleNamespace(cfg=SimpleNamespace(d_vocab=10, n_ctx=4, device="cpu"))
+    >>> to_batch(m, torch.tensor([[1, 2, 3]]), attention_mask=torch.tensor([[0, 1, 1]]))[1].tolist()
+    [[False, True, True]]
+    """
+    tokens = to_tokens(model, tokens_or_text, min_pos=min_pos, what=what, encoders=encoders)
+    if attention_mask is not None:
+        check_attention_mask(attention_mask, tokens)
+        mask = attention_mask.to(device=tokens.device, dtype=torch.bool)
+        short = (mask.sum(-1) < min_pos).nonzero().flatten().tolist()
+        if short:
+            raise ValueError(
+                f"attention_mask leaves text(s) {short} with fewer than {min_pos} real token(s), which {what} "
+                "needs: drop those texts or mark their tokens 1"
+            )
+        return tokens, (None if bool(mask.all()) else mask)
+    if is_bidirectional(model):
+        return tokens, padding_mask(model, tokens)
+    x = tokens_or_text
+    if isinstance(x, Sequence) and not isinstance(x, str | bytes) and len(x) > 1 and isinstance(x[0], str):
+        mask = pad_texts(model, [str(t) for t in x])[1]
+        return tokens, None if mask is None else mask.to(tokens.device)
+    return tokens, None
+
+
+def text_positions(mask: Bool[Tensor, "batch pos"] | None, batch: int, pos: int) -> Tensor:
+    """Each position's index inside its own text, ``[batch, pos]`` (``-1`` at padding): the position the
+    same token has when its text is run alone. Without a mask, ``arange(pos)`` on every row.
+
+    >>> text_positions(torch.tensor([[False, True, True], [True, True, False]]), 2, 3).tolist()
+    [[-1, 0, 1], [0, 1, -1]]
+    """
+    if mask is None:
+        return torch.arange(pos).expand(batch, pos).clone()
+    m = mask.detach().cpu().bool()
+    return torch.where(m, m.long().cumsum(-1) - 1, torch.full_like(m, -1, dtype=torch.long))
+
+
+#: What ``queries=`` accepts: positions in each text (negative from its end), a slice of them, or a boolean
+#: ``[pos]`` / ``[batch, pos]`` mask over the padded batch.
+Queries = int | Sequence[int] | slice | Tensor | None
+
+
+def select_queries(
+    queries: Queries, mask: Bool[Tensor, "batch pos"] | None, batch: int, pos: int
+) -> Bool[Tensor, "batch pos"]:
+    """The queries an analysis keeps, as a ``[batch, pos]`` boolean mask over the padded batch (CPU).
+
+    Args:
+        queries: ``None`` (every real position); an int or a sequence of ints, each a position *inside each
+            text* (``-1`` is its last real token, the prediction position, wherever padding put it); a
+            ``slice`` of those positions; or a boolean tensor, ``[pos]`` (the same for every text) or
+            ``[batch, pos]``, over the padded batch.
+        mask: the real tokens (``None``: all real).
+        batch, pos: the batch's shape.
+
+    Raises:
+        TypeError: another type (a float, a bool, a string, a float tensor).
+        IndexError: a position outside some text, naming that text's valid range.
+        ValueError: a mask of another shape, one that selects padding, or one that selects nothing.
+
+    >>> m = torch.tensor([[False, True, True], [True, True, True]])  # text 0 is left-padded
+    >>> select_queries(-1, m, 2, 3).tolist()
+    [[False, False, True], [False, False, True]]
+    >>> select_queries(slice(0, 1), m, 2, 3).tolist()
+    [[False, True, False], [True, False, False]]
+    """
+    real = torch.ones(batch, pos, dtype=torch.bool) if mask is None else mask.detach().cpu().bool()
+    if queries is None:
+        return real.clone()
+    if isinstance(queries, Tensor):
+        if queries.dtype != torch.bool:
+            raise TypeError(
+                f"a queries tensor must be a boolean mask ([pos] or [batch, pos]), got dtype {queries.dtype}; "
+                "give positions as a list of ints"
+            )
+        sel = queries.detach().cpu()
+        if sel.ndim == 1:
+            sel = sel.expand(batch, -1)
+        if tuple(sel.shape) != (batch, pos):
+            raise ValueError(
+                f"a queries mask must be [pos]={pos} or [batch, pos]=({batch}, {pos}), got {tuple(queries.shape)}"
+            )
+        if bool((sel & ~real).any()):
+            raise ValueError(
+                "the queries mask selects padding: mark only real tokens (the attention mask's 1s)"
+            )
+    else:
+        lengths = real.sum(-1).tolist()
+        if isinstance(queries, slice):
+            picks = [list(range(n))[queries] for n in lengths]
+        elif isinstance(queries, bool | str | bytes | float) or not (
+            hasattr(queries, "__index__") or isinstance(queries, Sequence)
+        ):
+            raise TypeError(
+                "queries must be an int, a sequence of ints, a slice or a boolean mask, "
+                f"got {type(queries).__name__}"
+            )
+        else:
+            items = [queries] if hasattr(queries, "__index__") else list(queries)  # type: ignore[arg-type]
+            bad = [q for q in items if isinstance(q, bool) or not hasattr(q, "__index__")]
+            if bad:
+                raise TypeError(f"queries must be ints (positions in each text), got {bad[0]!r}")
+            picks = []
+            for b, n in enumerate(lengths):
+                row = []
+                for q in items:
+                    q = operator.index(q)
+                    if not -n <= q < n:
+                        raise IndexError(
+                            f"query {q} is outside text {b}, which has {n} real tokens (valid: {-n}..{n - 1}); "
+                            "give positions inside the shortest text, or a boolean mask per text"
+                        )
+                    row.append(q % n)
+                picks.append(row)
+        sel = torch.zeros(batch, pos, dtype=torch.bool)
+        for b, row in enumerate(picks):
+            where = real[b].nonzero().flatten()
+            if row:
+                sel[b, where[torch.tensor(row, dtype=torch.long)]] = True
+    if not bool(sel.any()):
+        raise ValueError(f"queries={queries!r} selects no position: give at least one")
+    return sel
 
 
 def _id_error(token_id: int, d_vocab: int) -> str:

@@ -58,7 +58,7 @@ from mechgeom.hooks import (
     head_outputs,
     modified_pairs,
     run_hooks,
-    to_tokens,
+    to_batch,
     token_strings,
 )
 from mechgeom.typing import Bool, Float, Tensor, Tokens
@@ -486,24 +486,27 @@ def contribution_weights(
         verbose: a progress bar over the layers as they are computed.
         intra, inter: the metrics kept (default: all of :data:`INTRA_METRICS` and :data:`INTER_METRICS`); each
             costs ``batch * layers * heads * q * k`` floats.
-        attention_mask: ``[batch, pos]``, 1 at real tokens; on an encoder the default is the ``[PAD]``
-            positions of the tokens (:func:`~mechgeom.hooks.padding_mask`), which are then neither sources nor
-            queries.
+        attention_mask: ``[batch, pos]``, 1 at real tokens. The default is the padding of a list of texts
+            (left or right, the model's padding side) and an encoder's ``[PAD]`` ids
+            (:func:`~mechgeom.hooks.to_batch`); padding is then neither a source nor a query (every metric
+            is 0 in its rows and columns).
 
     Returns:
         A :class:`ContributionResult`.
     """
     col = ContributionCollector(model, layers, intra=intra, inter=inter)
     if cache is not None:
-        return run_collector(model, tokens_or_text, col, cache=cache, extra_hooks=extra_hooks)  # type: ignore[no-any-return]
+        return run_collector(  # type: ignore[no-any-return]
+            model, tokens_or_text, col, cache=cache, extra_hooks=extra_hooks, attention_mask=attention_mask
+        )
     if tokens_or_text is None:
         raise ValueError("give text or token ids to analyse, or cache= with the activations of a pass")
-    tokens = to_tokens(model, tokens_or_text, encoders=True)
+    tokens, mask = to_batch(model, tokens_or_text, attention_mask=attention_mask, encoders=True)
     bar = _layer_bar(col.layers, verbose)
     col._after_layer = lambda _layer: next(bar, None)
     hooks = [*extra_hooks, *col.fwd_hooks]
     try:
-        run_hooks(model, tokens, hooks, stop_at_layer=max(col.layers) + 1, attention_mask=attention_mask)
+        run_hooks(model, tokens, hooks, stop_at_layer=max(col.layers) + 1, attention_mask=mask)
     finally:
         close = getattr(bar, "close", None)
         if close is not None:
