@@ -78,7 +78,9 @@ def test_cache_round_trip_is_exact_and_corruption_rebuilds(monkeypatch, tmp_path
     monkeypatch.setenv("MECHGEOM_CACHE", str(tmp_path))
     # the hooked backend caches the processed state dict (.pt), the bridge the de-quantised HF weights (-hf/)
     hooked = default_backend() == "hooked"
-    for entry in src.glob("smollm2-135m-*"):
+    for entry in src.glob(
+        "smollm2-135m-*-float32-*"
+    ):  # the default dtype's entries (a bf16 one may be there too)
         if entry.name.endswith("-hf") != hooked:
             (shutil.copytree if entry.is_dir() else shutil.copy2)(entry, tmp_path / entry.name)
     warm = load_model("smollm2-135m")
