@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import html
+import operator
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -237,26 +238,52 @@ def token_view(
     metric: str = "contribution",
 ) -> View:
     """The signed weight of each source ``j <= query`` for ``query`` (one head, or the whole layer when
-    ``head`` is None), as ``colored_tokens`` on a symmetric diverging scale ``±max |w|``."""
+    ``head`` is None), as ``colored_tokens`` on a symmetric diverging scale ``±max |w|``.
+
+    ``query`` is a position inside text ``batch`` (padding is not counted), negative from its end: ``-1`` is
+    the text's last real token. Only real tokens are drawn. A result computed with ``queries=`` has the kept
+    queries only; another one raises ``IndexError`` naming them."""
     from circuitsvis.tokens import colored_tokens
 
     li = result.layer_index(layer)
-    n_batch, _, n_pos = result.shape
+    n_batch, _, _ = result.shape
     batch = check_index(batch, n_batch, "batch")
-    query = check_index(query, n_pos, "query")
+    real = result.real()[batch]
+    keys = real.nonzero().flatten()  # padded positions of the text's tokens
+    n = len(keys)
+    try:
+        query = operator.index(query)
+    except TypeError:
+        raise IndexError(f"query {query!r} is not an integer index") from None
+    if not -n <= query < n:
+        raise IndexError(
+            f"query {query} out of range for text {batch} (valid: {-n}..{n - 1}; -1 is its last token)"
+        )
+    query %= n
+    padded = int(keys[query])
+    rows = result.rows()[batch]
+    found = (rows == padded).nonzero().flatten()
+    if len(found) == 0:
+        kept = [int(p) - int(keys[0]) for p in rows[rows >= 0]]
+        raise IndexError(
+            f"query {query} was not computed (queries=); the result holds text {batch}'s queries {kept}"
+        )
+    r = int(found[0])
+    keys = keys[keys <= padded] if result.causal else keys[: query + 1]
     if head is None:
-        row = _inter(result, metric)[batch, li, query, : query + 1]
+        row = _inter(result, metric)[batch, li, r][keys.to(result.inter[metric].device)]
         where = f"layer {layer} (all heads)"
     else:
         full = _intra(result, metric)
         head = check_index(head, full.shape[2], "head")
-        row = full[batch, li, head, query, : query + 1]
+        row = full[batch, li, head, r][keys.to(full.device)]
         where = f"layer {layer}, head {head}"
     values, n_nan = _display(row)
     top = float(values.abs().max()) or 1.0
-    tokens = _tokens(result, batch)
+    every = _tokens(result, batch)
+    tokens = [every[int(k)] for k in keys]
     view = colored_tokens(
-        tokens=tokens[: query + 1],
+        tokens=tokens,
         values=values,
         min_value=-top,
         max_value=top,
@@ -264,7 +291,7 @@ def token_view(
         positive_color=POSITIVE_COLOR,
     )
     caption = (
-        f"{_LABELS.get(metric, metric)} of each source to query {query} ({tokens[query]!r}), {where}. "
+        f"{_LABELS.get(metric, metric)} of each source to query {query} ({tokens[-1]!r}), {where}. "
         f"Blue > 0, red < 0, white = 0, saturating at ±{top:.3g}; hover for the value." + _nan_note(n_nan)
     )
     return View(f"{result.model_name or 'model'} {where} query {query}", [(caption, view)])

@@ -9,7 +9,9 @@ Padding is built by hand (ids + ``attention_mask``) on the left and on the right
 
 from __future__ import annotations
 
+import json
 import math
+import re
 
 import numpy as np
 import pandas as pd
@@ -138,11 +140,33 @@ def test_score_sums_of_a_padded_batch_pool_the_texts_alone(side):
 # --------------------------------------------------------------------------- a padded batch = its texts alone
 
 
+def _pooled_alone(alone) -> list[dict[str, torch.Tensor]]:
+    """Per layer, the per-head statistics of the texts run alone, pooled (their (sum, count) pairs added)."""
+    acc = None
+    for a in alone:
+        names = ("attention", "value_weighted_normalized", "contribution")
+        sums = [score_sums(*(a.intra[k][:, li] for k in names)) for li in range(len(a.layers))]
+        acc = sums if acc is None else [add_sums(x, y) for x, y in zip(acc, sums, strict=True)]
+    return [finish_sums(x) for x in acc]
+
+
 @pytest.mark.parametrize("side", ["left", "right"])
-def test_padded_batch_summary_table_and_rows_equal_the_texts_alone(decoder, alone, side):
+def test_padded_batch_summary_pools_the_texts_alone(decoder, alone, side):
+    """The batch's statistics are over every real query of every text (the alone runs pooled), then the mean
+    over heads: padding adds no query, no source and no sink."""
+    toks, mask, _ = _padded(_texts(), side)
+    got = contribution_weights(decoder, toks, attention_mask=mask).summary()
+    pooled = _pooled_alone(alone)
+    for k in ("sink_attention", "sink_contribution", "negative_share", "top1_agreement"):
+        want = float(torch.cat([p[k] for p in pooled]).mean())
+        assert got[k] == pytest.approx(want, rel=1e-5), k
+    assert got["n_texts"] == 3 and got["n_heads"] == 8
+
+
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_padded_batch_table_equals_the_texts_alone(decoder, alone, side):
     toks, mask, where = _padded(_texts(), side)
     res = contribution_weights(decoder, toks, attention_mask=mask)
-    assert torch.equal(res.key_mask.cpu(), mask)
     for b, a in enumerate(alone):
         # the rows of the real tokens are the text alone's (padding is 0 around them)
         torch.testing.assert_close(
@@ -151,38 +175,28 @@ def test_padded_batch_summary_table_and_rows_equal_the_texts_alone(decoder, alon
             rtol=1e-5,
             atol=1e-6,
         )
-        # per-text summary = the text alone
-        got, want = res.summary(batch=b), a.summary()
-        assert got.keys() == want.keys()
-        for k, v in want.items():
-            assert got[k] == pytest.approx(v, rel=1e-5, abs=1e-7), k
         # the table: only real positions, numbered inside the text, as the text alone
         pd.testing.assert_frame_equal(
             _frame(res, batch=b), _frame(a), check_exact=False, rtol=1e-5, atol=1e-6
         )
+        last = _frame(a, query=LENGTHS[b] - 1)
         pd.testing.assert_frame_equal(
-            _frame(res, batch=b, query=-1),
-            _frame(a, query=LENGTHS[b] - 1),
-            check_exact=False,
-            rtol=1e-5,
-            atol=1e-6,
+            _frame(res, batch=b, query=-1), last, check_exact=False, rtol=1e-5, atol=1e-6
         )
-    # the batch summary pools the texts: the statistics of the alone runs added up, then the head mean
-    acc = None
-    for a in alone:
-        sums = [
-            score_sums(
-                *(a.intra[k][:, li] for k in ("attention", "value_weighted_normalized", "contribution"))
-            )
-            for li in range(2)
-        ]
-        acc = sums if acc is None else [add_sums(x, y) for x, y in zip(acc, sums, strict=True)]
-    pooled = [finish_sums(x) for x in acc]
-    want = float(torch.cat([p["sink_attention"] for p in pooled]).mean())
-    assert res.summary()["sink_attention"] == pytest.approx(want, rel=1e-5)
-    want = float(torch.cat([p["negative_share"] for p in pooled]).mean())
-    assert res.summary()["negative_share"] == pytest.approx(want, rel=1e-5)
-    assert res.summary()["n_texts"] == 3
+
+
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_padded_batch_summary_of_one_text_equals_it_alone(decoder, alone, side):
+    toks, mask, _ = _padded(_texts(), side)
+    res = contribution_weights(decoder, toks, attention_mask=mask)
+    assert torch.equal(res.key_mask.cpu(), mask)
+    for b, a in enumerate(alone):
+        got, want = res.summary(batch=b), a.summary()
+        assert got.keys() == want.keys()
+        for k, v in want.items():
+            assert got[k] == pytest.approx(v, rel=1e-5, abs=1e-7), k
+    with pytest.raises(IndexError, match="batch 3 out of range"):
+        res.summary(batch=3)
 
 
 def test_frame_query_filter_counts_from_each_texts_end_and_names_the_range(decoder):
@@ -347,3 +361,32 @@ def test_to_frame_refuses_above_its_row_budget_before_building(decoder):
     with pytest.raises(ValueError, match=rf"{n:,} rows.*max_rows=100\b.*query=.*queries=\[-1\]"):
         res.to_frame(max_rows=100)
     assert len(res.to_frame(query=-1, max_rows=200)) == 2 * 2 * 4 * 8
+
+
+# --------------------------------------------------------------------------- the token view
+
+
+def _token_props(view) -> dict:
+    src = view.panels[0][1].local_src
+    m = re.search(r"CircuitsVis\.ColoredTokens,\s*(\{.*?\})\s*\)\s*</script>", src, re.S)
+    assert m, "no ColoredTokens render call"
+    return json.loads(m.group(1))
+
+
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_token_view_takes_negative_queries_inside_each_text(decoder, alone, side):
+    from mechgeom.viz.views import token_view
+
+    toks, mask, _ = _padded(_texts(), side)
+    res = contribution_weights(decoder, toks, attention_mask=mask)
+    last = contribution_weights(decoder, toks, attention_mask=mask, queries=[-1])
+    for b, a in enumerate(alone):
+        want = _token_props(token_view(a, 1, LENGTHS[b] - 1, head=2))
+        for r, q in ((res, -1), (res, LENGTHS[b] - 1), (last, -1)):
+            got = _token_props(token_view(r, 1, q, head=2, batch=b))
+            assert len(got["tokens"]) == LENGTHS[b]
+            np.testing.assert_allclose(got["values"], want["values"], rtol=1e-5, atol=1e-6)
+    with pytest.raises(IndexError, match=r"query -4 out of range for text 2 \(valid: -3..2"):
+        token_view(res, 1, -4, batch=2)
+    with pytest.raises(IndexError, match=r"not computed.*queries \[4\]"):
+        token_view(last, 1, 0, batch=0)
