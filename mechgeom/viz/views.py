@@ -114,6 +114,14 @@ def _tokens(result: ContributionResult, batch: int) -> list[str]:
     return [t.replace("</", "<\u200b/") for t in toks]
 
 
+def _every_query(result: ContributionResult, what: str) -> None:
+    if result.query_index is not None:
+        raise ValueError(
+            f"{what} draws every query against every key, but this result holds some queries only (queries=): "
+            "use token_view(result, layer, query) for one of them, or compute without queries="
+        )
+
+
 def _display(t: Tensor) -> tuple[Tensor, int]:
     """NaN -> 0 for display, and how many NaNs there were."""
     t = t.detach().float().cpu()
@@ -166,8 +174,10 @@ def head_view(
     """One head's ``metrics`` (default: raw attention and contribution weights) side by side.
 
     Raises ``IndexError`` for a layer that was not analysed or a head/batch out of range, ``KeyError`` for a
-    metric the result does not hold.
+    metric the result does not hold, ``ValueError`` for a result of some queries only (``queries=``).
+    Padding is not drawn: the panels are the text's real tokens.
     """
+    _every_query(result, "head_view")
     li = result.layer_index(layer)
     n_batch, _, n_heads = _intra(result, metrics[0]).shape[:3]
     batch = check_index(batch, n_batch, "batch")
@@ -191,7 +201,9 @@ def layer_view(
     scale: float = 1.0,
 ) -> View:
     """Every head of ``layer``: for each metric, one panel per head and then the inter-head (whole-layer)
-    panel (mean attention, layer contribution weights), where the result holds it."""
+    panel (mean attention, layer contribution weights), where the result holds it. Padding is not drawn;
+    a result of some queries only (``queries=``) raises ``ValueError``."""
+    _every_query(result, "layer_view")
     li = result.layer_index(layer)
     n_batch, _, n_heads = _intra(result, metrics[0]).shape[:3]
     batch = check_index(batch, n_batch, "batch")
@@ -221,9 +233,13 @@ def _panels_view(
     title: str,
     what: str,
 ) -> View:
-    """One circuitsvis attention-heads view of ``panels`` (named ``names``) over text ``batch``, captioned with
-    ``what``, the colour scale and the NaN count."""
-    view = _attention_heads(panels, names, _tokens(result, batch), scale, result.causal)
+    """One circuitsvis attention-heads view of ``panels`` (named ``names``) over text ``batch``'s real tokens
+    (padding cut out), captioned with ``what``, the colour scale and the NaN count."""
+    real = result.real()[batch]
+    if not bool(real.all()):
+        panels = [t[real][:, real] for t in panels]
+    tokens = [t for t, r in zip(_tokens(result, batch), real.tolist(), strict=True) if r]
+    view = _attention_heads(panels, names, tokens, scale, result.causal)
     caption = what + _scale_note(scale, result.causal) + _nan_note(n_nan)
     return View(f"{result.model_name or 'model'} {title}", [(caption, view)])
 

@@ -390,3 +390,30 @@ def test_token_view_takes_negative_queries_inside_each_text(decoder, alone, side
         token_view(res, 1, -4, batch=2)
     with pytest.raises(IndexError, match=r"not computed.*queries \[4\]"):
         token_view(last, 1, 0, batch=0)
+
+
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_head_and_layer_views_draw_only_the_real_tokens(decoder, alone, side):
+    from mechgeom.viz.views import head_view, layer_view
+
+    def props(view) -> dict:
+        src = view.panels[0][1].local_src
+        m = re.search(r"CircuitsVis\.AttentionHeads,\s*(\{.*?\})\s*\)\s*</script>", src, re.S)
+        assert m, "no AttentionHeads render call"
+        return json.loads(m.group(1))
+
+    toks, mask, _ = _padded(_texts(), side)
+    res = contribution_weights(decoder, toks, attention_mask=mask)
+    for b, a in enumerate(alone):
+        for got, want in (
+            (head_view(res, 1, 2, batch=b), head_view(a, 1, 2)),
+            (layer_view(res, 0, batch=b), layer_view(a, 0)),
+        ):
+            g, w = props(got), props(want)
+            assert len(g["tokens"]) == LENGTHS[b]
+            np.testing.assert_allclose(
+                np.array(g["attention"]), np.array(w["attention"]), rtol=1e-5, atol=1e-6
+            )
+    some = contribution_weights(decoder, toks, attention_mask=mask, queries=[-1])
+    with pytest.raises(ValueError, match=r"some queries only.*token_view"):
+        head_view(some, 1, 2)
