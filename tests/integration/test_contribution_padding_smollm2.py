@@ -50,13 +50,13 @@ def test_issue_example_summary_per_text_and_pooled(smollm2, alone, side):
     assert res.key_mask is not None  # the texts have different lengths
     pad_first = side == "left"
     assert bool(res.key_mask[0, 0]) is not pad_first
-    for b, a in enumerate(alone):
+    got, want = res.summary(), _pooled_summary(alone)  # the batch pools its texts, padding left out
+    for k, v in want.items():
+        assert got[k] == pytest.approx(v, rel=1e-5, abs=1e-6), k
+    for b, a in enumerate(alone):  # and each text's summary is the text alone's
         got, want = res.summary(batch=b), a.summary()
         for k, v in want.items():
             assert got[k] == pytest.approx(v, rel=1e-5, abs=1e-6), (b, k)
-    got, want = res.summary(), _pooled_summary(alone)
-    for k, v in want.items():
-        assert got[k] == pytest.approx(v, rel=1e-5, abs=1e-6), k
 
 
 def test_table_of_a_padded_batch_equals_the_texts_alone(smollm2, alone, side):

@@ -264,7 +264,8 @@ class ContributionResult(Result):
             for layer in l_sel:
                 self.layer_index(layer)
         h_sel = check_indices(heads, n_heads, "head")
-        pairs = {b: self._pairs(b, query) for b in b_sel}
+        real_all, rows = self.real(), self.rows()
+        pairs = {b: self._pairs(b, query, real_all[b], rows[b]) for b in b_sel}
         n_rows = sum(len(r) for r, _ in pairs.values()) * len(l_sel) * len(h_sel)
         if max_rows is not None and n_rows > max_rows:
             raise ValueError(
@@ -275,7 +276,6 @@ class ContributionResult(Result):
             )
         str_tokens = self.str_tokens if self.tokens is not None else None
         positions = text_positions(self.key_mask, n_batch, pos)  # [b pos]: index inside each text
-        rows = self.rows()
         frames = []
         for b in b_sel:
             rr, kk = pairs[b]  # row of the query axis, padded key position
@@ -307,13 +307,14 @@ class ContributionResult(Result):
                     frames.append(pd.DataFrame(cols))
         return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
 
-    def _pairs(self, b: int, query: int | Sequence[int] | None) -> tuple[Tensor, Tensor]:
+    def _pairs(
+        self, b: int, query: int | Sequence[int] | None, real: Tensor, qpos: Tensor
+    ) -> tuple[Tensor, Tensor]:
         """``(row, key)`` of text ``b``'s table: the row of the query axis and the padded key position of each
         source (``key <= query`` on a decoder, every real key on an encoder) of the real queries kept by
-        ``query`` (positions inside the text, negative from its end), in row-major order."""
-        real = self.real()[b]
+        ``query`` (positions inside the text, negative from its end), in row-major order. ``real`` is the
+        text's real tokens, ``qpos`` the padded position of each row (``-1``: an empty row)."""
         n_real = int(real.sum())
-        qpos = self.rows()[b]  # [rows]: padded position, -1 for an empty row
         ok = (qpos >= 0) & real[qpos.clamp_min(0)]
         if query is not None:
             items = [query] if isinstance(query, int) or not isinstance(query, Sequence) else list(query)
