@@ -417,3 +417,13 @@ def test_head_and_layer_views_draw_only_the_real_tokens(decoder, alone, side):
     some = contribution_weights(decoder, toks, attention_mask=mask, queries=[-1])
     with pytest.raises(ValueError, match=r"some queries only.*token_view"):
         head_view(some, 1, 2)
+
+
+def test_cache_path_with_a_mask_and_queries_equals_the_live_pass(decoder):
+    toks, mask, _ = _padded(_texts(), "left")
+    live = contribution_weights(decoder, toks, attention_mask=mask, queries=[0, -1])
+    _, cache = decoder.run_with_cache(toks, attention_mask=mask)
+    cached = contribution_weights(decoder, toks, cache=cache, attention_mask=mask, queries=[0, -1])
+    assert torch.equal(cached.key_mask.cpu(), mask) and torch.equal(cached.query_index, live.query_index)
+    pd.testing.assert_frame_equal(cached.to_frame(), live.to_frame(), check_exact=False, rtol=1e-5, atol=1e-6)
+    assert cached.summary() == pytest.approx(live.summary(), rel=1e-5)
