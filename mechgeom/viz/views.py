@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import html
+import operator
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -113,6 +114,14 @@ def _tokens(result: ContributionResult, batch: int) -> list[str]:
     return [t.replace("</", "<\u200b/") for t in toks]
 
 
+def _every_query(result: ContributionResult, what: str) -> None:
+    if result.query_index is not None:
+        raise ValueError(
+            f"{what} draws every query against every key, but this result holds some queries only (queries=): "
+            "use token_view(result, layer, query) for one of them, or compute without queries="
+        )
+
+
 def _display(t: Tensor) -> tuple[Tensor, int]:
     """NaN -> 0 for display, and how many NaNs there were."""
     t = t.detach().float().cpu()
@@ -165,8 +174,10 @@ def head_view(
     """One head's ``metrics`` (default: raw attention and contribution weights) side by side.
 
     Raises ``IndexError`` for a layer that was not analysed or a head/batch out of range, ``KeyError`` for a
-    metric the result does not hold.
+    metric the result does not hold, ``ValueError`` for a result of some queries only (``queries=``).
+    Padding is not drawn: the panels are the text's real tokens.
     """
+    _every_query(result, "head_view")
     li = result.layer_index(layer)
     n_batch, _, n_heads = _intra(result, metrics[0]).shape[:3]
     batch = check_index(batch, n_batch, "batch")
@@ -190,7 +201,9 @@ def layer_view(
     scale: float = 1.0,
 ) -> View:
     """Every head of ``layer``: for each metric, one panel per head and then the inter-head (whole-layer)
-    panel (mean attention, layer contribution weights), where the result holds it."""
+    panel (mean attention, layer contribution weights), where the result holds it. Padding is not drawn;
+    a result of some queries only (``queries=``) raises ``ValueError``."""
+    _every_query(result, "layer_view")
     li = result.layer_index(layer)
     n_batch, _, n_heads = _intra(result, metrics[0]).shape[:3]
     batch = check_index(batch, n_batch, "batch")
@@ -220,9 +233,13 @@ def _panels_view(
     title: str,
     what: str,
 ) -> View:
-    """One circuitsvis attention-heads view of ``panels`` (named ``names``) over text ``batch``, captioned with
-    ``what``, the colour scale and the NaN count."""
-    view = _attention_heads(panels, names, _tokens(result, batch), scale, result.causal)
+    """One circuitsvis attention-heads view of ``panels`` (named ``names``) over text ``batch``'s real tokens
+    (padding cut out), captioned with ``what``, the colour scale and the NaN count."""
+    real = result.real()[batch]
+    if not bool(real.all()):
+        panels = [t[real][:, real] for t in panels]
+    tokens = [t for t, r in zip(_tokens(result, batch), real.tolist(), strict=True) if r]
+    view = _attention_heads(panels, names, tokens, scale, result.causal)
     caption = what + _scale_note(scale, result.causal) + _nan_note(n_nan)
     return View(f"{result.model_name or 'model'} {title}", [(caption, view)])
 
@@ -237,26 +254,52 @@ def token_view(
     metric: str = "contribution",
 ) -> View:
     """The signed weight of each source ``j <= query`` for ``query`` (one head, or the whole layer when
-    ``head`` is None), as ``colored_tokens`` on a symmetric diverging scale ``±max |w|``."""
+    ``head`` is None), as ``colored_tokens`` on a symmetric diverging scale ``±max |w|``.
+
+    ``query`` is a position inside text ``batch`` (padding is not counted), negative from its end: ``-1`` is
+    the text's last real token. Only real tokens are drawn. A result computed with ``queries=`` has the kept
+    queries only; another one raises ``IndexError`` naming them."""
     from circuitsvis.tokens import colored_tokens
 
     li = result.layer_index(layer)
-    n_batch, _, n_pos = result.shape
+    n_batch, _, _ = result.shape
     batch = check_index(batch, n_batch, "batch")
-    query = check_index(query, n_pos, "query")
+    real = result.real()[batch]
+    keys = real.nonzero().flatten()  # padded positions of the text's tokens
+    n = len(keys)
+    try:
+        query = operator.index(query)
+    except TypeError:
+        raise IndexError(f"query {query!r} is not an integer index") from None
+    if not -n <= query < n:
+        raise IndexError(
+            f"query {query} out of range for text {batch} (valid: {-n}..{n - 1}; -1 is its last token)"
+        )
+    query %= n
+    padded = int(keys[query])
+    rows = result.rows()[batch]
+    found = (rows == padded).nonzero().flatten()
+    if len(found) == 0:
+        kept = [int(p) - int(keys[0]) for p in rows[rows >= 0]]
+        raise IndexError(
+            f"query {query} was not computed (queries=); the result holds text {batch}'s queries {kept}"
+        )
+    r = int(found[0])
+    keys = keys[keys <= padded] if result.causal else keys[: query + 1]
     if head is None:
-        row = _inter(result, metric)[batch, li, query, : query + 1]
+        row = _inter(result, metric)[batch, li, r][keys.to(result.inter[metric].device)]
         where = f"layer {layer} (all heads)"
     else:
         full = _intra(result, metric)
         head = check_index(head, full.shape[2], "head")
-        row = full[batch, li, head, query, : query + 1]
+        row = full[batch, li, head, r][keys.to(full.device)]
         where = f"layer {layer}, head {head}"
     values, n_nan = _display(row)
     top = float(values.abs().max()) or 1.0
-    tokens = _tokens(result, batch)
+    every = _tokens(result, batch)
+    tokens = [every[int(k)] for k in keys]
     view = colored_tokens(
-        tokens=tokens[: query + 1],
+        tokens=tokens,
         values=values,
         min_value=-top,
         max_value=top,
@@ -264,7 +307,7 @@ def token_view(
         positive_color=POSITIVE_COLOR,
     )
     caption = (
-        f"{_LABELS.get(metric, metric)} of each source to query {query} ({tokens[query]!r}), {where}. "
+        f"{_LABELS.get(metric, metric)} of each source to query {query} ({tokens[-1]!r}), {where}. "
         f"Blue > 0, red < 0, white = 0, saturating at ±{top:.3g}; hover for the value." + _nan_note(n_nan)
     )
     return View(f"{result.model_name or 'model'} {where} query {query}", [(caption, view)])

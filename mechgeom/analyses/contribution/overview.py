@@ -17,8 +17,8 @@ import pandas as pd
 from mechgeom.analyses.base import Result
 from mechgeom.analyses.contribution.stats import SUMMARY_METRICS, ScoreTotals, overview_summary, view_layer_of
 from mechgeom.analyses.contribution.weights import ContributionCollector, ContributionResult
-from mechgeom.hooks import FwdHook, run_batches, to_tokens, token_strings
-from mechgeom.typing import Tensor
+from mechgeom.hooks import FwdHook, Queries, run_batches, to_batch, token_strings
+from mechgeom.typing import Bool, Tensor
 
 __all__ = [
     "ContributionOverview",
@@ -33,7 +33,8 @@ class ContributionOverview(Result):
     ``heads``: one row per ``(layer, head)``, columns ``layer, head`` and the statistics of
     :func:`~mechgeom.analyses.contribution.stats.score_sums` (``sink_attention``,
     ``sink_value_weighted_normalized``, ``sink_contribution``, ``negative_share``, ``top1_agreement``,
-    ``tv_attention_contribution``: means over texts and queries ``i >= 1``); ``layers``: the same
+    ``tv_attention_contribution``: means over texts and queries ``i >= 1``, positions inside each text,
+    padding left out); ``layers``: the same
     statistics of the whole-layer (inter-head) metrics, one row per layer. ``view_layer`` is the layer of
     largest whole-layer TV (the first if all are NaN) and ``view`` its intra/inter ``attention`` and
     ``contribution`` for text 0.
@@ -64,6 +65,8 @@ def contribution_overview(
     batch_size: int = 8,
     extra_hooks: Sequence[FwdHook] = (),
     verbose: bool = False,
+    attention_mask: Bool[Tensor, "batch pos"] | None = None,
+    queries: Queries = None,
 ) -> ContributionOverview:
     """Headline statistics of contribution weights over many texts, ``batch_size`` texts per pass.
 
@@ -72,6 +75,12 @@ def contribution_overview(
     pairs (:class:`~mechgeom.analyses.contribution.stats.ScoreTotals`) as soon as they are computed, so
     memory stays at one layer of one batch (plus text 0 of each layer for the view). ``verbose`` shows a
     progress bar over the batches.
+
+    Padding (``attention_mask``, by default the padding of a list of texts, left or right:
+    :func:`~mechgeom.hooks.to_batch`) is never a query, a source or the sink: the statistics
+    are those of the texts run one by one, pooled (see :func:`~mechgeom.analyses.contribution.stats.score_sums`).
+    ``queries`` keeps some queries only (as :func:`contribution_weights` takes it), e.g. ``[-1]`` for each
+    text's prediction position; only their rows are computed.
 
     >>> import torch
     >>> from transformer_lens.config import TransformerBridgeConfig
@@ -85,22 +94,29 @@ def contribution_overview(
     """
     if int(batch_size) < 1:
         raise ValueError(f"batch_size must be at least 1, got {batch_size}")
-    tokens = to_tokens(model, tokens_or_text)
+    tokens, mask = to_batch(
+        model, tokens_or_text, attention_mask=attention_mask, what="contribution_overview"
+    )
     totals = ScoreTotals()
-    first: dict[int, dict[str, dict[str, Tensor]]] = {}
+    first: dict[int, dict[str, Any]] = {}
     kept = ("attention", "contribution")
 
-    def on_layer(layer: int, m: dict[str, dict[str, Tensor]]) -> None:
+    def on_layer(layer: int, m: dict[str, Any]) -> None:
         intra, inter = m["intra"], m["inter"]  # [b h q k] and [b q k]
-        totals.add(layer, intra, inter)
+        key_mask, rows = m["key_mask"], m["query_index"]
+        totals.add(layer, intra, inter, key_mask, rows)
         if layer not in first:  # text 0 (first batch) for the view
             first[layer] = {
                 "intra": {k: intra[k][:1].clone() for k in kept},
                 "inter": {k: inter[k][:1].clone() for k in kept},
+                "key_mask": None if key_mask is None else key_mask[:1].clone(),
+                "query_index": None if rows is None else rows[:1].clone(),
             }
 
     metrics = list(SUMMARY_METRICS)
-    col = ContributionCollector(model, layers, intra=metrics, inter=metrics, on_layer=on_layer)
+    col = ContributionCollector(
+        model, layers, intra=metrics, inter=metrics, on_layer=on_layer, queries=queries
+    )
     stop = max(col.layers) + 1
     hooks = [*extra_hooks, *col.fwd_hooks]
     run_batches(
@@ -111,6 +127,7 @@ def contribution_overview(
         stop_at_layer=stop,
         desc="contributions",
         verbose=verbose,
+        attention_mask=mask,
     )
     heads, layer_frame = totals.heads_frame(), totals.layers_frame()
     view_layer = view_layer_of(layer_frame)
@@ -121,5 +138,8 @@ def contribution_overview(
         inter={k: v[:, None] for k, v in first[view_layer]["inter"].items()},
         str_tokens=token_strings(model, tokens[:1]),
         model_name=str(getattr(model.cfg, "model_name", "")),
+        causal=col.causal,
+        key_mask=first[view_layer]["key_mask"],
+        query_index=first[view_layer]["query_index"],
     )
     return ContributionOverview(heads, layer_frame, view_layer, view, n_texts=int(tokens.shape[0]))

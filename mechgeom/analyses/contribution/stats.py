@@ -2,7 +2,8 @@
 under attention and under contribution, how often contribution is negative, how often attention and
 contribution pick the same top source, and how far apart the two are (total variation).
 
-Every statistic is a mean over texts and queries ``i >= 1`` (query 0 has a single source), kept as a
+Every statistic is a mean over texts and queries ``i >= 1`` (query 0 has a single source), positions inside
+each text: padding is never a query, a source or the sink, and the sink is each text's first real token. It is kept as a
 ``(sum, count)`` pair per head so that batches of texts add up exactly (:func:`score_sums`,
 :func:`add_sums`, :func:`finish_sums`); :class:`ScoreTotals` keeps those pairs per layer, for the heads and
 for the whole layer. The streamed overview over a corpus is
@@ -23,7 +24,7 @@ import numpy as np
 import pandas as pd
 import torch
 
-from mechgeom.typing import Float, HeadScores, Tensor
+from mechgeom.typing import Bool, Float, HeadScores, Int, Tensor
 
 __all__ = [
     "HEAD_STATISTICS",
@@ -55,21 +56,40 @@ HEAD_STATISTICS = (
 Sums = dict[str, tuple[Tensor, Tensor]]
 
 
-def score_sums(a: HeadScores, vn: HeadScores, c: HeadScores) -> Sums:
-    """Per-head ``(sum, count)`` pairs over texts ``b`` and queries ``i >= 1`` of ``[batch, head, q, k]``
-    attention ``a``, output-normalised value weights ``vn`` and contribution weights ``c``, so that batches
-    add up (:func:`add_sums`) and :func:`finish_sums` gives the means:
+def score_sums(
+    a: HeadScores,
+    vn: HeadScores,
+    c: HeadScores,
+    key_mask: Bool[Tensor, "batch key_pos"] | None = None,
+    query_index: Int[Tensor, "batch query_pos"] | None = None,
+) -> Sums:
+    """Per-head ``(sum, count)`` pairs over texts ``b`` and their queries ``i >= first + 1`` of ``[batch, head,
+    q, k]`` attention ``a``, output-normalised value weights ``vn`` and contribution weights ``c``, so that
+    batches add up (:func:`add_sums`) and :func:`finish_sums` gives the means.
 
-    - ``sink_attention``: ``a[h,i,0]``, the attention on the sink (position 0);
-    - ``sink_value_weighted_normalized``: ``vn[h,i,0]``, NaN rows left out;
-    - ``sink_contribution``: ``c[h,i,0]``, NaN rows (zero output norm) left out;
-    - ``negative_share``: the share of sources ``j <= i`` with ``c[h,i,j] < 0`` among those with a finite ``c``;
-    - ``top1_agreement``: how often ``argmax_j a[h,i,j] == argmax_j c[h,i,j]`` over sources ``j <= i`` (ties:
-      the lower position), over rows with a finite ``c``;
-    - ``tv_attention_contribution``: the total-variation distance ``0.5 sum_(j <= i) |c[h,i,j] - a[h,i,j]|``,
-      NaN rows left out.
+    Padding is never a query, a source or the sink: ``first`` is each text's first real token (the sink, the
+    position 0 of the text run alone), the queries counted are the real ones after it, and the sources of
+    query ``i`` are the real keys ``j <= i``. So a text's sums are those of the text run alone, and a batch's
+    are the sums of its texts: the mean over every counted query of every text (pooled, as the texts run one
+    by one and added with :func:`add_sums`), not a mean of per-text means.
+
+    - ``sink_attention``: ``a[h,i,first]``, the attention on the sink;
+    - ``sink_value_weighted_normalized``: ``vn[h,i,first]``, NaN rows left out;
+    - ``sink_contribution``: ``c[h,i,first]``, NaN rows (zero output norm) left out;
+    - ``negative_share``: the share of sources with ``c[h,i,j] < 0`` among those with a finite ``c``;
+    - ``top1_agreement``: how often ``argmax_j a[h,i,j] == argmax_j c[h,i,j]`` over the sources (ties: the
+      lower position), over rows with a finite ``c``;
+    - ``tv_attention_contribution``: the total-variation distance ``0.5 sum_j |c[h,i,j] - a[h,i,j]|`` over the
+      sources, NaN rows left out.
 
     A whole-layer version takes the inter-head metrics with a head axis of 1 (``inter[k][:, None]``).
+
+    Args:
+        a, vn, c: ``[batch, head, q, k]``; row ``r`` is query ``query_index[b, r]`` (default: row ``i`` is
+            position ``i``, a square ``q == k``).
+        key_mask: ``[batch, k]``, ``True`` at real tokens (``None``: every position is real).
+        query_index: ``[batch, q]``, the padded position of each row's query, ``-1`` for an empty row (a
+            result computed for some queries only, ``queries=``).
 
     >>> a = torch.tensor([[[[1.0, 0.0], [0.5, 0.5]]]])
     >>> c = torch.tensor([[[[1.0, 0.0], [1.5, -0.5]]]])
@@ -77,27 +97,65 @@ def score_sums(a: HeadScores, vn: HeadScores, c: HeadScores) -> Sums:
     {'sink_attention': 0.5, 'sink_value_weighted_normalized': 0.5, 'sink_contribution': 1.5,
      'negative_share': 0.5, 'top1_agreement': 1.0, 'tv_attention_contribution': 1.0}
     """
-    q, k = a.shape[-2:]
-    mask = torch.ones(q, k, dtype=torch.bool, device=a.device).tril()  # [q k]: sources j <= i
-    valid = mask & ~torch.isnan(c)  # [b h q k]
-    a_top = a.masked_fill(~mask, -math.inf).argmax(-1)  # [b h q]
-    c_top = c.masked_fill(~valid, -math.inf).argmax(-1)
-    row_ok = valid.any(-1)[..., 1:]  # [b h q-1]: rows with a finite contribution (not a zero output norm)
-    tv = 0.5 * (c - a).abs().masked_fill(~mask, 0.0).sum(-1)[..., 1:]  # [b h q-1]; NaN rows stay NaN
+    B, H, n, k = a.shape
+    src, counted, first = _sources(B, n, k, key_mask, query_index, a.device)  # [b n k], [b n], [b]
+    src4 = src[:, None]  # [b 1 n k]
+    finite = src4 & ~torch.isnan(c)  # [b h n k]: sources with a finite contribution
+    row = counted[:, None, :]  # [b 1 n]: the queries counted
+    valid = finite & row[..., None]
+    a_top = a.masked_fill(~src4, -math.inf).argmax(-1)  # [b h n]
+    c_top = c.masked_fill(~finite, -math.inf).argmax(-1)
+    row_ok = finite.any(-1) & row  # rows with a finite contribution (not a zero output norm)
+    tv = 0.5 * (c - a).abs().masked_fill(~src4, 0.0).sum(-1)  # [b h n]; NaN rows stay NaN
+    sink = first[:, None, None, None].expand(B, H, n, 1)
     dims = (0, 2)
 
     def nan_pair(x: Tensor) -> tuple[Tensor, Tensor]:
-        ok = ~torch.isnan(x)
+        ok = row & ~torch.isnan(x)
         return torch.where(ok, x, 0.0).sum(dims), ok.sum(dims)
 
+    sink_a = a.gather(-1, sink)[..., 0]
+    n_rows = row.expand(B, H, n).sum(dims)
     return {
-        "sink_attention": (a[..., 1:, 0].sum(dims), torch.full_like(a[0, :, 0, 0], a.shape[0] * (q - 1))),
-        "sink_value_weighted_normalized": nan_pair(vn[..., 1:, 0]),
-        "sink_contribution": nan_pair(c[..., 1:, 0]),
-        "negative_share": (((c < 0) & valid)[..., 1:, :].sum((0, 2, 3)), valid[..., 1:, :].sum((0, 2, 3))),
-        "top1_agreement": (((a_top == c_top)[..., 1:] & row_ok).sum(dims), row_ok.sum(dims)),
+        "sink_attention": (torch.where(row, sink_a, 0.0).sum(dims), n_rows),
+        "sink_value_weighted_normalized": nan_pair(vn.gather(-1, sink)[..., 0]),
+        "sink_contribution": nan_pair(c.gather(-1, sink)[..., 0]),
+        "negative_share": (((c < 0) & valid).sum((0, 2, 3)), valid.sum((0, 2, 3))),
+        "top1_agreement": (((a_top == c_top) & row_ok).sum(dims), row_ok.sum(dims)),
         "tv_attention_contribution": nan_pair(tv),
     }
+
+
+def _sources(
+    B: int,
+    n: int,
+    k: int,
+    key_mask: Tensor | None,
+    query_index: Tensor | None,
+    device: torch.device,
+    causal: bool = True,
+) -> tuple[Bool[Tensor, "batch query_pos key_pos"], Bool[Tensor, "batch query_pos"], Int[Tensor, " batch"]]:
+    """``(sources, counted, first)``: the real keys each row's query sees (``j <= i`` when causal), the rows
+    whose query is real and after its text's first real token, and each text's first real position."""
+    real = (
+        torch.ones(B, k, dtype=torch.bool, device=device) if key_mask is None else key_mask.bool().to(device)
+    )
+    if query_index is None:
+        if n != k:
+            raise ValueError(
+                f"rows of {n} queries against {k} keys need query_index (the position of each row)"
+            )
+        qpos = torch.arange(k, device=device).expand(B, k)
+    else:
+        qpos = query_index.to(device)
+    first = real.long().argmax(-1)  # [b]: the sink, position 0 of the text run alone
+    has = qpos >= 0
+    q_real = has & real.gather(1, qpos.clamp_min(0))  # [b n]
+    src = real[:, None, :] & q_real[..., None]
+    if causal:
+        src = src & (torch.arange(k, device=device) <= qpos[..., None])
+    counted = q_real & (qpos > first[:, None])
+    return src, counted, first
 
 
 def finish_sums(sums: Sums) -> dict[str, Float[Tensor, " head_index"]]:
@@ -120,13 +178,23 @@ class ScoreTotals:
         self.head_sums: dict[int, Sums] = {}
         self.layer_sums: dict[int, Sums] = {}
 
-    def add(self, layer: int, intra: Mapping[str, Tensor], inter: Mapping[str, Tensor]) -> None:
-        """Add one batch of one layer: ``intra[k]`` is ``[batch head q k]``, ``inter[k]`` is ``[batch q k]``."""
+    def add(
+        self,
+        layer: int,
+        intra: Mapping[str, Tensor],
+        inter: Mapping[str, Tensor],
+        key_mask: Bool[Tensor, "batch key_pos"] | None = None,
+        query_index: Int[Tensor, "batch query_pos"] | None = None,
+    ) -> None:
+        """Add one batch of one layer: ``intra[k]`` is ``[batch head q k]``, ``inter[k]`` is ``[batch q k]``;
+        ``key_mask`` and ``query_index`` as in :func:`score_sums` (padding, a subset of queries)."""
         names = SUMMARY_METRICS
-        self.head_sums[layer] = add_sums(self.head_sums.get(layer), score_sums(*(intra[k] for k in names)))
-        self.layer_sums[layer] = add_sums(
-            self.layer_sums.get(layer), score_sums(*(inter[k][:, None] for k in names))
-        )
+        a, vn, c = (intra[k] for k in names)
+        sums = score_sums(a, vn, c, key_mask, query_index)
+        self.head_sums[layer] = add_sums(self.head_sums.get(layer), sums)
+        a, vn, c = (inter[k][:, None] for k in names)
+        sums = score_sums(a, vn, c, key_mask, query_index)
+        self.layer_sums[layer] = add_sums(self.layer_sums.get(layer), sums)
 
     def heads_frame(self) -> pd.DataFrame:
         """One row per ``(layer, head)``: ``layer, head`` and the means of :data:`HEAD_STATISTICS`."""
@@ -184,8 +252,11 @@ def overview_frames(
     layers: Sequence[int],
     intra: Mapping[str, Float[Tensor, "batch layer head_index query_pos key_pos"]],
     inter: Mapping[str, Float[Tensor, "batch layer query_pos key_pos"]],
+    key_mask: Bool[Tensor, "batch key_pos"] | None = None,
+    query_index: Int[Tensor, "batch query_pos"] | None = None,
 ) -> tuple[pd.DataFrame, pd.DataFrame]:
-    """The per-head and whole-layer tables of a result in memory (every text at once, layer by layer)."""
+    """The per-head and whole-layer tables of a result in memory (every text at once, layer by layer);
+    ``key_mask`` and ``query_index`` as in :func:`score_sums`."""
     _check_summary_metrics(intra, inter)
     totals = ScoreTotals()
     for li, layer in enumerate(layers):
@@ -193,6 +264,8 @@ def overview_frames(
             layer,
             {k: intra[k][:, li] for k in SUMMARY_METRICS},
             {k: inter[k][:, li] for k in SUMMARY_METRICS},
+            key_mask,
+            query_index,
         )
     return totals.heads_frame(), totals.layers_frame()
 
@@ -201,10 +274,14 @@ def result_summary(
     layers: Sequence[int],
     intra: Mapping[str, Float[Tensor, "batch layer head_index query_pos key_pos"]],
     inter: Mapping[str, Float[Tensor, "batch layer query_pos key_pos"]],
+    key_mask: Bool[Tensor, "batch key_pos"] | None = None,
+    query_index: Int[Tensor, "batch query_pos"] | None = None,
 ) -> dict[str, Any]:
     """:func:`overview_summary` of a result in memory; needs intra and inter ``attention``,
-    ``value_weighted_normalized`` and ``contribution`` (``ValueError`` naming the missing ones)."""
-    heads, layer_frame = overview_frames(layers, intra, inter)
+    ``value_weighted_normalized`` and ``contribution`` (``ValueError`` naming the missing ones). The texts are
+    pooled (see :func:`score_sums`): padding excluded, the statistics of a padded batch are those of its texts
+    run one by one and added up."""
+    heads, layer_frame = overview_frames(layers, intra, inter, key_mask, query_index)
     n_texts = int(next(iter(intra.values())).shape[0])
     return overview_summary(heads, layer_frame, n_texts)
 
@@ -213,12 +290,14 @@ def special_token_frame(
     layers: Sequence[int],
     intra: Mapping[str, Float[Tensor, "batch layer head_index query_pos key_pos"]],
     key_mask: Tensor | None = None,
+    query_index: Tensor | None = None,
 ) -> pd.DataFrame:
     """An encoder's special tokens under each metric: one row per ``(layer, head, token)`` with ``token``
-    ``"[CLS]"`` (position 0) or ``"[SEP]"`` (each text's last real position), and for each of
+    ``"[CLS]"`` (each text's first real position) or ``"[SEP]"`` (its last real position), and for each of
     :data:`SUMMARY_METRICS` the mean over texts and real queries ``i`` of ``metric[h,i,s]`` (NaN rows
     skipped), then ``negative_share``: the share of real ``(i, j)`` pairs with ``c[h,i,j] < 0`` among finite
-    ones. ``key_mask [batch, pos]`` marks real tokens (``None``: all real).
+    ones. ``key_mask [batch, pos]`` marks real tokens (``None``: all real); ``query_index [batch, q]`` is the
+    position of each row's query (``-1``: an empty row; ``None``: row ``i`` is position ``i``).
 
     >>> a = torch.full((1, 1, 1, 3, 3), 1 / 3)
     >>> f = special_token_frame([0], {"attention": a, "value_weighted_normalized": a, "contribution": a})
@@ -228,22 +307,31 @@ def special_token_frame(
     missing = [m for m in SUMMARY_METRICS if m not in intra]
     if missing:
         raise ValueError(f"the special-token table needs the intra-head metric(s) {missing}")
-    first = intra["attention"]
-    B, _, H, Q, _ = first.shape
-    real = torch.ones(B, Q, dtype=torch.bool) if key_mask is None else key_mask.bool().cpu()
-    last = real.sum(-1) - 1  # [b]: each text's [SEP]
+    B, _, H, Q, K = intra["attention"].shape
+    src, _, first = _sources(
+        B,
+        Q,
+        K,
+        key_mask,
+        None if query_index is None else query_index.cpu(),
+        torch.device("cpu"),
+        causal=False,
+    )
+    q_real = src.any(-1)  # [b q]: rows whose query is real
+    real = torch.ones(B, K, dtype=torch.bool) if key_mask is None else key_mask.bool().cpu()
+    last = K - 1 - real.flip(-1).long().argmax(-1)  # [b]: each text's [SEP]
     rows = []
     for li, layer in enumerate(layers):
         cols: dict[str, Tensor] = {}
         for m in SUMMARY_METRICS:
             t = intra[m][:, li].cpu()  # [b h q k]
-            at_cls = t[..., 0]  # [b h q]
+            at_cls = t.gather(-1, first[:, None, None, None].expand(B, H, Q, 1))[..., 0]  # [b h q]
             at_sep = t.gather(-1, last[:, None, None, None].expand(B, H, Q, 1))[..., 0]
             for name, x in (("[CLS]", at_cls), ("[SEP]", at_sep)):
-                keep = real[:, None, :].expand_as(x) & ~torch.isnan(x)
+                keep = q_real[:, None, :].expand_as(x) & ~torch.isnan(x)
                 cols[f"{name}|{m}"] = torch.where(keep, x, 0).sum((0, 2)) / keep.sum((0, 2)).clamp_min(1)
         c = intra["contribution"][:, li].cpu()
-        pair = (real[:, :, None] & real[:, None, :])[:, None] & ~torch.isnan(c)  # [b h q k]
+        pair = src[:, None] & ~torch.isnan(c)  # [b h q k]
         neg = ((c < 0) & pair).sum((0, 2, 3)) / pair.sum((0, 2, 3)).clamp_min(1)
         for h in range(H):
             for name in ("[CLS]", "[SEP]"):

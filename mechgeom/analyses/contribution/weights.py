@@ -37,6 +37,7 @@ reader marks that head and query as *modified* (:func:`mechgeom.hooks.modified_m
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -49,21 +50,25 @@ from mechgeom._deprecation import warn_deprecated
 from mechgeom._progress import progress
 from mechgeom.analyses.base import Collector, Result, nothing_collected, run_collector
 from mechgeom.analyses.contribution.geometry import INTER_METRICS, INTRA_METRICS, LayerGeometry
+from mechgeom.analyses.contribution.rows import query_index, row_metrics
 from mechgeom.analyses.contribution.stats import SUMMARY_METRICS, result_summary, special_token_frame
 from mechgeom.hooks import (
     FwdHook,
     LayerActivations,
+    Queries,
     TokensOrText,
     check_indices,
     head_outputs,
     modified_pairs,
     run_hooks,
+    text_positions,
     to_batch,
     token_strings,
 )
-from mechgeom.typing import Bool, Float, Tensor, Tokens
+from mechgeom.typing import Bool, Float, Int, Tensor, Tokens
 
 __all__ = [
+    "MAX_FRAME_ROWS",
     "RANKING_METRICS",
     "ContributionCollector",
     "ContributionResult",
@@ -71,6 +76,10 @@ __all__ = [
     "contribution_weights_from_cache",
     "reconstruct_attn_out",
 ]
+
+#: The default row budget of :meth:`ContributionResult.to_frame` (a table of 4 M rows and ~20 columns is about
+#: 1 GB in pandas); above it the table refuses and says how to make it smaller.
+MAX_FRAME_ROWS = 4_000_000
 
 #: The four metrics compared by paper A, in its claimed order of faithfulness.
 RANKING_METRICS = ("attention", "value_weighted", "value_weighted_normalized", "contribution")
@@ -95,7 +104,20 @@ class ContributionResult(Result):
     ``[batch, layer, query_pos, key_pos]``; ``layers[k]`` is the model layer at index ``k`` of the
     layer axis. Entries above the diagonal (``key > query``, not sources) are 0 in every metric, factors
     included; a row whose output norm is 0 is NaN at its sources ``key <= query`` (see the module docstring).
-    For an encoder (``causal=False``) every key is a source, and padding (``key_mask``) is 0 as query and key.
+    For an encoder (``causal=False``) every key is a source.
+
+    **Padding.** ``key_mask [batch, pos]`` marks each text's real tokens (decoders and encoders, left or right
+    padding; ``None``: no padding). Padding is 0 as query and as key in every metric, and the table, the
+    summary and :meth:`special_token_frame` leave it out: the sink is each text's first real token, the
+    ``query``/``key`` columns of :meth:`to_frame` are positions inside each text, and every per-text number
+    equals that of the text run alone. A text's padded index of text position ``p`` is ``p`` plus its number
+    of left pads (``key_mask[b].long().argmax()``).
+
+    **Some queries only** (``queries=``). Then the query axis holds the kept queries only, ``n`` rows per
+    text (the most any text keeps): ``intra[name]`` is ``[batch, layer, head_index, n, key_pos]``, and
+    ``query_index[b, r]`` is the padded position of row ``r``'s query (``-1`` for an empty row of a text that
+    keeps fewer, which holds 0). Without ``queries=``, ``query_index`` is ``None`` and row ``i`` is position
+    ``i``. The kept rows equal the same rows of the full computation.
 
     ``modified[b, l, h, i]`` marks the heads whose ``z`` an earlier hook changed, and ``modified_share`` is
     their part ``<o[i], o[i,h]> / ‖o[i]‖²`` of the layer output (0 elsewhere); see "After an intervention"
@@ -114,8 +136,12 @@ class ContributionResult(Result):
     modified_share: Float[Tensor, "batch layer head_index query_pos"] | None = None
     #: ``False`` for an encoder: every key is a source of every query (no zero upper triangle).
     causal: bool = True
-    #: An encoder's real (non-padding) tokens ``[batch, pos]``; every metric is 0 at a padded query or key.
+    #: The real (non-padding) tokens ``[batch, pos]`` of every text (``None``: no padding); every metric is 0
+    #: at a padded query or key.
     key_mask: Bool[Tensor, "batch pos"] | None = None
+    #: ``[batch, n]``: the padded position of each row of the query axis (``-1``: an empty row); ``None``: the
+    #: query axis is every position (row ``i`` is position ``i``). Set by ``queries=``.
+    query_index: Int[Tensor, "batch query_pos"] | None = None
 
     @property
     def modified_heads(self) -> list[tuple[int, int]]:
@@ -124,12 +150,28 @@ class ContributionResult(Result):
 
     @property
     def shape(self) -> tuple[int, int, int]:
-        """``(batch, n_heads, pos)`` of the analysed texts."""
+        """``(batch, n_heads, pos)`` of the analysed texts (``pos``: the key axis, the padded length)."""
         t = next(iter(self.intra.values())) if self.intra else None
         if t is None:
             t4 = next(iter(self.inter.values()))
             return int(t4.shape[0]), 0, int(t4.shape[-1])
         return int(t.shape[0]), int(t.shape[2]), int(t.shape[-1])
+
+    def rows(self) -> Int[Tensor, "batch query_pos"]:
+        """The padded position of each row of the query axis, ``[batch, rows]`` (``-1``: an empty row)."""
+        n_batch, _, pos = self.shape
+        if self.query_index is not None:
+            return self.query_index.cpu()
+        return torch.arange(pos).expand(n_batch, pos)
+
+    def real(self) -> Bool[Tensor, "batch pos"]:
+        """The real tokens, ``[batch, pos]`` on the CPU (all ``True`` without padding)."""
+        n_batch, _, pos = self.shape
+        return (
+            torch.ones(n_batch, pos, dtype=torch.bool)
+            if self.key_mask is None
+            else self.key_mask.bool().cpu()
+        )
 
     def layer_index(self, layer: int) -> int:
         try:
@@ -137,33 +179,50 @@ class ContributionResult(Result):
         except ValueError:
             raise IndexError(f"layer {layer} was not analysed; analysed layers are {self.layers}") from None
 
-    def summary(self) -> dict[str, Any]:
+    def summary(self, *, batch: int | Sequence[int] | None = None) -> dict[str, Any]:
         """The headline numbers of :func:`contribution_overview`, from this result in memory.
 
         ``{"n_heads", "n_texts", "sink_attention", "sink_contribution", "sink_value_weighted_normalized",
         "negative_share", "top1_agreement", "view_layer", "view_layer_tv"}``: means over heads of the
-        per-head statistics of :func:`~mechgeom.analyses.contribution.stats.score_sums` (texts and queries
-        ``i >= 1``), and the layer of largest whole-layer TV between attention and contribution with that
-        TV. Needs the intra- and inter-head metrics ``attention``, ``value_weighted_normalized`` and
-        ``contribution`` (a ``ValueError`` names any that is missing). For an encoder, ``[CLS]`` and ``[SEP]``
-        take the sink's place: ``{"n_heads", "n_texts", "cls_<metric>", "sep_<metric>", "negative_share"}``,
-        means over the rows of :meth:`special_token_frame`.
+        per-head statistics of :func:`~mechgeom.analyses.contribution.stats.score_sums`, and the layer of
+        largest whole-layer TV between attention and contribution with that TV. Needs the intra- and
+        inter-head metrics ``attention``, ``value_weighted_normalized`` and ``contribution`` (a ``ValueError``
+        names any that is missing). For an encoder, ``[CLS]`` and ``[SEP]`` take the sink's place:
+        ``{"n_heads", "n_texts", "cls_<metric>", "sep_<metric>", "negative_share"}``, means over the rows of
+        :meth:`special_token_frame`.
+
+        **Texts and padding.** Padding is never a query, a source or the sink; the sink is each text's first
+        real token and the queries counted are the real ones after it (``i >= 1`` inside the text). Several
+        texts are pooled: each per-head statistic is the mean over every counted query of every text (what
+        the texts run one by one give when their ``(sum, count)`` pairs are added), then the mean over heads.
+        ``batch`` keeps some texts (an int or a sequence; ``IndexError`` names the range): ``summary(batch=b)``
+        is the summary of text ``b`` run alone. With ``queries=``, the counted queries are the kept ones.
         """
+        n_batch = self.shape[0]
+        sel = check_indices(batch, n_batch, "batch")
+        keep = None if batch is None else torch.tensor(sel, dtype=torch.long)
+
+        def pick(t: Tensor | None) -> Tensor | None:
+            return t if t is None or keep is None else t[keep.to(t.device)]
+
+        intra = {k: pick(v) for k, v in self.intra.items()}
+        inter = {k: pick(v) for k, v in self.inter.items()}
+        key_mask, query_index = pick(self.key_mask), pick(self.query_index)
         if not self.causal:  # an encoder: [CLS] and [SEP] take the sink's place
-            frame = self.special_token_frame()
+            frame = special_token_frame(self.layers, intra, key_mask, query_index)  # type: ignore[arg-type]
             means = frame.groupby("token")[list(SUMMARY_METRICS)].mean()
             out: dict[str, Any] = {"n_heads": int(frame[["layer", "head"]].drop_duplicates().shape[0])}
-            out["n_texts"] = self.shape[0]
+            out["n_texts"] = len(sel)
             for token, key in (("[CLS]", "cls"), ("[SEP]", "sep")):
                 out.update({f"{key}_{m}": float(means[m][token]) for m in SUMMARY_METRICS})
             out["negative_share"] = float(frame.drop_duplicates(["layer", "head"])["negative_share"].mean())
             return out
-        return result_summary(self.layers, self.intra, self.inter)
+        return result_summary(self.layers, intra, inter, key_mask, query_index)  # type: ignore[arg-type]
 
     def special_token_frame(self) -> pd.DataFrame:
         """An encoder's ``[CLS]`` and ``[SEP]`` under attention, output-normalised value weight and contribution,
         per (layer, head): :func:`~mechgeom.analyses.contribution.stats.special_token_frame`."""
-        return special_token_frame(self.layers, self.intra, self.key_mask)
+        return special_token_frame(self.layers, self.intra, self.key_mask, self.query_index)
 
     def to_frame(
         self,
@@ -171,19 +230,31 @@ class ContributionResult(Result):
         batch: int | Sequence[int] | None = None,
         layers: int | Sequence[int] | None = None,
         heads: int | Sequence[int] | None = None,
-        query: int | None = None,
+        query: int | Sequence[int] | None = None,
+        max_rows: int | None = MAX_FRAME_ROWS,
     ) -> pd.DataFrame:
-        """A tidy table: one row per (batch, layer, head, query, key) with ``key <= query`` (for an encoder:
-        every pair of real, non-padding tokens).
+        """A tidy table: one row per (batch, layer, head, query, key) with ``key`` a source of ``query``
+        (``key <= query`` on a decoder, every key on an encoder), real tokens only.
 
         Columns: ``batch, layer, head, query, key``, then ``query_token, key_token`` when the result has
         tokens (a result built from a cache without tokens has none), every intra-head metric and
         factor kept (``factor_attention`` is ``attention``), ``modified`` and ``modified_share`` of the
         head at that query, then the inter-head metrics of the same ``(layer, query, key)`` prefixed
-        ``layer_``. Every text by default; filters (``batch``, ``layers``, ``heads``, ``query``) keep the table
-        small; each is checked, and an index out of range raises ``IndexError`` naming the valid range (a layer
-        that was not analysed names the analysed ones).
+        ``layer_``. ``query`` and ``key`` are **positions inside the text** (the numbers the text run alone
+        has); padding has no row (see "Padding" in the class docstring for the padded index). With
+        ``queries=``, only the kept queries have rows.
+
+        Args:
+            batch, layers, heads: filters, each checked (an index out of range raises ``IndexError`` naming the
+                valid range; a layer that was not analysed names the analysed ones). ``None``: all.
+            query: positions inside each text (an int or a sequence); negative ones count from each text's
+                end, so ``-1`` is each text's last real token. ``IndexError`` names a text's valid range.
+            max_rows: the most rows the table may have (``None``: no limit). The count is computed first, and
+                a larger table raises ``ValueError`` with the count and the ways to make it smaller, before
+                anything is built.
         """
+        # Why this function is long: the filters, the row budget and one pass over texts, layers and heads
+        # share the per-text index arithmetic (real tokens, kept rows, text positions) computed once per text.
         n_batch, n_heads, pos = self.shape
         b_sel = check_indices(batch, n_batch, "batch")
         if layers is None:
@@ -193,50 +264,79 @@ class ContributionResult(Result):
             for layer in l_sel:
                 self.layer_index(layer)
         h_sel = check_indices(heads, n_heads, "head")
-        q_sel = check_indices(query, pos, "query")
+        real_all, rows = self.real(), self.rows()
+        pairs = {b: self._pairs(b, query, real_all[b], rows[b]) for b in b_sel}
+        n_rows = sum(len(r) for r, _ in pairs.values()) * len(l_sel) * len(h_sel)
+        if max_rows is not None and n_rows > max_rows:
+            raise ValueError(
+                f"to_frame would build {n_rows:,} rows ({len(b_sel)} text(s) x {len(l_sel)} layer(s) x "
+                f"{len(h_sel)} head(s) x their (query, key) pairs), above max_rows={max_rows:,}: filter with "
+                "batch=, layers=, heads= or query= (e.g. query=-1, each text's last token), compute fewer "
+                "queries with contribution_weights(..., queries=[-1]), or pass a larger max_rows= (None: no limit)"
+            )
         str_tokens = self.str_tokens if self.tokens is not None else None
+        positions = text_positions(self.key_mask, n_batch, pos)  # [b pos]: index inside each text
         frames = []
         for b in b_sel:
-            qq, kk = self._pairs(b, pos, q_sel)
+            rr, kk = pairs[b]  # row of the query axis, padded key position
+            qq = rows[b][rr]  # padded query position
+            q_text, k_text = positions[b][qq].numpy(), positions[b][kk].numpy()
             for layer in l_sel:
                 li = self.layer_index(layer)
-                inter_cols = {f"layer_{k}": v[b, li, qq, kk].numpy() for k, v in self.inter.items()}
+                inter_cols = {f"layer_{k}": v[b, li, rr, kk].cpu().numpy() for k, v in self.inter.items()}
                 for h in h_sel:
                     cols: dict[str, Any] = {
                         "batch": b,
                         "layer": layer,
                         "head": h,
-                        "query": qq.numpy(),
-                        "key": kk.numpy(),
+                        "query": q_text,
+                        "key": k_text,
                     }
                     if str_tokens is not None:
                         st = str_tokens[b]
                         cols["query_token"] = [st[i] for i in qq.tolist()]
                         cols["key_token"] = [st[j] for j in kk.tolist()]
                     for k, v in self.intra.items():
-                        cols[k] = v[b, li, h, qq, kk].numpy()
+                        cols[k] = v[b, li, h, rr, kk].cpu().numpy()
                     if "attention" in self.intra:
                         cols["factor_attention"] = cols["attention"]
                     if self.modified is not None and self.modified_share is not None:
-                        cols["modified"] = self.modified[b, li, h, qq].numpy()
-                        cols["modified_share"] = self.modified_share[b, li, h, qq].numpy()
+                        cols["modified"] = self.modified[b, li, h, rr].cpu().numpy()
+                        cols["modified_share"] = self.modified_share[b, li, h, rr].cpu().numpy()
                     cols.update(inter_cols)
                     frames.append(pd.DataFrame(cols))
         return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
 
-    def _pairs(self, b: int, pos: int, q_sel: list[int]) -> tuple[Tensor, Tensor]:
-        """The ``(query, key)`` pairs of text ``b`` in the table: sources ``key <= query`` (a decoder) or every
-        pair of real tokens (an encoder), for the queries ``q_sel``."""
+    def _pairs(
+        self, b: int, query: int | Sequence[int] | None, real: Tensor, qpos: Tensor
+    ) -> tuple[Tensor, Tensor]:
+        """``(row, key)`` of text ``b``'s table: the row of the query axis and the padded key position of each
+        source (``key <= query`` on a decoder, every real key on an encoder) of the real queries kept by
+        ``query`` (positions inside the text, negative from its end), in row-major order. ``real`` is the
+        text's real tokens, ``qpos`` the padded position of each row (``-1``: an empty row)."""
+        n_real = int(real.sum())
+        ok = (qpos >= 0) & real[qpos.clamp_min(0)]
+        if query is not None:
+            items = [query] if isinstance(query, int) or not isinstance(query, Sequence) else list(query)
+            wanted = set()
+            for q in items:
+                try:
+                    q = operator.index(q)
+                except TypeError:
+                    raise IndexError(f"query {q!r} is not an integer position") from None
+                if not -n_real <= q < n_real:
+                    raise IndexError(
+                        f"query {q} out of range for text {b}, which has {n_real} real tokens "
+                        f"(valid: {-n_real}..{n_real - 1}; -1 is its last token)"
+                    )
+                wanted.add(q % n_real)
+            inside = text_positions(real[None], 1, real.shape[0])[0]  # index inside the text
+            ok &= torch.isin(inside[qpos.clamp_min(0)], torch.tensor(sorted(wanted), dtype=torch.long))
+        src = real[None, :] & ok[:, None]  # [rows k]
         if self.causal:
-            qq, kk = torch.tril_indices(pos, pos)
-        else:
-            qq, kk = torch.arange(pos).repeat_interleave(pos), torch.arange(pos).repeat(pos)
-            if self.key_mask is not None:
-                real = self.key_mask[b].cpu()
-                ok = real[qq] & real[kk]
-                qq, kk = qq[ok], kk[ok]
-        keep = torch.isin(qq, torch.tensor(q_sel))
-        return qq[keep], kk[keep]
+            src &= torch.arange(real.shape[0]) <= qpos[:, None]
+        rr, kk = src.nonzero(as_tuple=True)
+        return rr, kk
 
 
 class ContributionCollector(Collector):
@@ -245,10 +345,17 @@ class ContributionCollector(Collector):
     Use ``collector.fwd_hooks`` with ``model.run_with_hooks``, ``model.hooks(...)`` or next to
     ``run_with_cache``; after the pass, :meth:`result` returns a :class:`ContributionResult`. With
     ``on_layer`` given, each layer's metrics go to that callback instead and nothing is stored
-    (``{"intra": {...}, "inter": {...}}`` per layer), so memory stays at one layer's worth. Without
-    ``on_layer``, the metrics are written straight into the ``[batch, layer, ...]`` tensors of the result
-    (no second copy). :meth:`result` takes the analysed tokens (optional) and derives their strings from
-    the model's tokenizer.
+    (``{"intra": {...}, "inter": {...}, "modified", "modified_share", "key_mask", "query_index"}`` per layer:
+    the pass' real tokens, ``None`` without padding, and the kept rows, ``None`` without ``queries``), so
+    memory stays at one layer's worth. Without ``on_layer``, the metrics are written straight into the
+    ``[batch, layer, ...]`` tensors of the result (no second copy); several passes (the batches of
+    :func:`~mechgeom.analyses.base.collect`) are kept one after the other, with their padding. :meth:`result`
+    takes the analysed tokens (optional) and derives their strings from the model's tokenizer.
+
+    ``queries`` (as :func:`~mechgeom.hooks.select_queries` takes it: positions inside each text, ``-1`` its
+    last real token; a slice; a boolean mask) computes the kept queries' rows only, ``O(k)`` per kept query
+    (:mod:`mechgeom.analyses.contribution.rows`); the result's query axis then holds those rows
+    (``ContributionResult.query_index``).
 
     **Recycled buffers (the on_layer contract).** After ``on_layer`` returns, each metric tensor it was
     given is written again for the next layer *unless the callback kept a reference to it or to any view
@@ -282,6 +389,7 @@ class ContributionCollector(Collector):
         on_layer: Callable[[int, dict[str, Any]], None] | None = None,
         store_device: str | torch.device = "cpu",
         reuse_buffers: bool = False,
+        queries: Queries = None,
     ) -> None:
         if reuse_buffers and on_layer is None:
             raise ValueError(
@@ -311,7 +419,12 @@ class ContributionCollector(Collector):
         self._versions: dict[tuple[int, str], int] = {}  # buffer -> its _version when last written
         self._store: tuple[dict[str, Tensor], dict[str, Tensor]] | None = None
         self._after_layer: Callable[[int], Any] | None = None  # progress of contribution_weights
-        self._key_mask: Tensor | None = None  # an encoder's padding, from the last pass (LayerActivations)
+        self._key_mask: Tensor | None = None  # the real tokens of the current pass (LayerActivations)
+        self.queries = queries
+        self._query_index: Tensor | None = None  # [b n]: the kept queries of the current pass (queries=)
+        self._batch = 0  # texts in the current pass
+        self._texts_done = 0  # texts of the passes before it (to cut a [texts, pos] queries mask)
+        self._passes: list[_Pass] = []  # the finished passes (batches of collect())
         self._workspace: dict[str, Tensor] = {}  # LayerGeometry's temporaries, kept between layers
 
     def _out_tensors(self, acts: LayerActivations) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
@@ -333,7 +446,7 @@ class ContributionCollector(Collector):
             return {}, {}
         L = len(self.layers)
         store = self._store
-        if store is None or acts.layer in self._intra:  # first layer of a (new) pass: fresh result tensors
+        if store is None:  # first layer of a (new) pass: fresh result tensors
             dev = self.store_device
             store = (
                 {m: torch.empty((B, L, H, Q, Q), dtype=dtype, device=dev) for m in self.intra_metrics},
@@ -369,8 +482,56 @@ class ContributionCollector(Collector):
                     self._versions.pop((kind, m), None)
 
     def on_layer(self, acts: LayerActivations) -> None:
-        geo = LayerGeometry.from_activations(acts, workspace=self._workspace)
+        if self.user_on_layer is None and acts.layer in self._intra:
+            self._finish_pass()  # a layer seen again: a new pass (a batch of collect()) begins
+        B, _, Q, _ = acts.pattern.shape
         self._key_mask = None if acts.key_mask is None else acts.key_mask.to(self.store_device)
+        self._batch = B
+        if self.queries is not None:
+            self._query_index = query_index(self._pass_queries(B), acts.key_mask, B, Q)
+            intra, inter, modified, share = row_metrics(
+                acts, self._query_index, self.intra_metrics, self.inter_metrics
+            )
+            intra = {m: t.to(self.store_device) for m, t in intra.items()}
+            inter = {m: t.to(self.store_device) for m, t in inter.items()}
+            modified, share = modified.to(self.store_device), share.to(self.store_device)
+        else:
+            intra, inter, modified, share = self._full_layer(acts)
+        if self.user_on_layer is not None:
+            payload = {"intra": intra, "inter": inter, "modified": modified, "modified_share": share}
+            payload["key_mask"] = self._key_mask
+            payload["query_index"] = self._query_index
+            del intra, inter
+            self._written()
+            try:
+                self.user_on_layer(acts.layer, payload)
+            finally:
+                del payload
+                self._recycle()
+            self._texts_done += B if acts.layer == max(self.layers) else 0
+        else:
+            self._intra[acts.layer] = intra
+            self._inter[acts.layer] = inter
+            self._modified[acts.layer] = (modified, share)
+        if self._after_layer is not None:
+            self._after_layer(acts.layer)
+
+    def _pass_queries(self, batch: int) -> Queries:
+        """``queries`` for this pass: a ``[texts, pos]`` mask given for every text of a ``collect()`` run is
+        cut to the rows of the batch being run."""
+        q = self.queries
+        if isinstance(q, Tensor) and q.ndim == 2 and q.shape[0] != batch:
+            t0 = self._texts_done
+            if t0 + batch <= q.shape[0]:
+                return q[t0 : t0 + batch]
+        return q
+
+    def _full_layer(
+        self, acts: LayerActivations
+    ) -> tuple[dict[str, Tensor], dict[str, Tensor], Tensor, Tensor]:
+        """Every query of the layer (the blocked sweep of :class:`LayerGeometry`), written where
+        :meth:`_out_tensors` says: ``(intra, inter, modified, modified_share)`` on the store device."""
+        geo = LayerGeometry.from_activations(acts, workspace=self._workspace)
         out_intra, out_inter = self._out_tensors(acts)
         with torch.no_grad():
             intra, inter = geo.compute(
@@ -392,30 +553,10 @@ class ContributionCollector(Collector):
             else:
                 modified = geo.modified.to(self.store_device)
                 share = geo.modified_share.to(self.store_device)
-        if self.user_on_layer is not None:
-            payload = {"intra": intra, "inter": inter, "modified": modified, "modified_share": share}
-            del geo, intra, inter, out_intra, out_inter
-            self._written()
-            try:
-                self.user_on_layer(acts.layer, payload)
-            finally:
-                del payload
-                self._recycle()
-        else:
-            self._intra[acts.layer] = intra
-            self._inter[acts.layer] = inter
-            self._modified[acts.layer] = (modified, share)
-        if self._after_layer is not None:
-            self._after_layer(acts.layer)
+        return intra, inter, modified, share
 
-    def build(self, tokens: Tokens | None) -> ContributionResult:
-        """The metrics of the last pass as a :class:`ContributionResult`; ``tokens`` (optional) are the
-        analysed ids, whose strings come from the model's tokenizer (none without a tokenizer)."""
-        if self.user_on_layer is not None:
-            raise RuntimeError(
-                "this collector streams each layer's metrics to its on_layer callback and keeps none: "
-                "collect them there, or make the collector without on_layer to get a result"
-            )
+    def _finish_pass(self) -> None:
+        """Keep the metrics of the pass just run (every layer of it) and start afresh for the next one."""
         missing = [layer for layer in self.layers if layer not in self._intra]
         if missing:
             raise nothing_collected(missing)
@@ -432,17 +573,106 @@ class ContributionCollector(Collector):
             inter = {
                 m: torch.stack([self._inter[la][m] for la in self.layers], dim=1) for m in self.inter_metrics
             }
+        modified = torch.stack([self._modified[la][0] for la in self.layers], dim=1)
+        share = torch.stack([self._modified[la][1] for la in self.layers], dim=1)
+        self._passes.append(
+            _Pass(intra, inter, modified, share, self._key_mask, self._query_index, self._batch)
+        )
+        self._texts_done += self._batch
+        self._intra, self._inter, self._modified = {}, {}, {}
+        self._store, self._key_mask, self._query_index = None, None, None
+
+    def build(self, tokens: Tokens | None) -> ContributionResult:
+        """The metrics of every pass so far (the batches of :func:`~mechgeom.analyses.base.collect`, in order)
+        as one :class:`ContributionResult`; ``tokens`` (optional) are the analysed ids, whose strings come from
+        the model's tokenizer (none without a tokenizer). The real tokens of every pass are kept
+        (``key_mask``), so padding stays out of the table and the summary."""
+        if self.user_on_layer is not None:
+            raise RuntimeError(
+                "this collector streams each layer's metrics to its on_layer callback and keeps none: "
+                "collect them there, or make the collector without on_layer to get a result"
+            )
+        if self._intra:
+            self._finish_pass()
+        if not self._passes:
+            raise nothing_collected(self.layers)
+        if len(self._passes) > 1:
+            self._passes = [_Pass.concat(self._passes)]  # once: later builds reuse it
+        p = self._passes[0]
         return ContributionResult(
             layers=list(self.layers),
             tokens=tokens,
-            intra=intra,
-            inter=inter,
+            intra=p.intra,
+            inter=p.inter,
             str_tokens=token_strings(self.model, tokens),
             model_name=self.model_name,
-            modified=torch.stack([self._modified[la][0] for la in self.layers], dim=1),
-            modified_share=torch.stack([self._modified[la][1] for la in self.layers], dim=1),
+            modified=p.modified,
+            modified_share=p.share,
             causal=self.causal,
-            key_mask=self._key_mask,
+            key_mask=p.key_mask,
+            query_index=p.query_index,
+        )
+
+
+@dataclass
+class _Pass:
+    """The metrics of one forward pass (one batch), ``[batch, layer, ...]``, with its padding and kept rows."""
+
+    intra: dict[str, Tensor]
+    inter: dict[str, Tensor]
+    modified: Tensor
+    share: Tensor
+    key_mask: Tensor | None
+    query_index: Tensor | None
+    batch: int
+
+    @staticmethod
+    def concat(passes: Sequence[_Pass]) -> _Pass:
+        """The passes one after the other on the batch axis; a pass with fewer kept query rows gets empty ones
+        (``query_index = -1``, metrics 0). Passes of different lengths are refused (``ValueError``)."""
+        lengths = {int(p.modified.shape[-1]) if p.query_index is None else -1 for p in passes}
+        keys = {int(next(iter({**p.intra, **p.inter}.values())).shape[-1]) for p in passes}
+        if len(keys) > 1:
+            raise ValueError(
+                f"the passes this collector saw have {sorted(keys)} positions: one result needs texts of one "
+                "padded length; pad them together (collect(model, texts, ...) does) or use one collector per length"
+            )
+        (k,) = keys
+        n = max(int(p.modified.shape[-1]) for p in passes)
+        rows = None
+        if any(p.query_index is not None for p in passes) or lengths != {k}:
+            rows = torch.cat(
+                [
+                    torch.nn.functional.pad(
+                        p.query_index if p.query_index is not None else torch.arange(k).expand(p.batch, k),
+                        (0, n - int(p.modified.shape[-1])),
+                        value=-1,
+                    )
+                    for p in passes
+                ]
+            )
+
+        def cat(ts: list[Tensor], axis: int) -> Tensor:  # pad the query axis (``axis`` from the end) to n
+            padded = []
+            for t in ts:
+                extra = n - int(t.shape[axis])
+                widths = [0, 0] * (-axis - 1) + [0, extra]
+                padded.append(torch.nn.functional.pad(t, widths) if extra else t)
+            return torch.cat(padded)
+
+        def mask(p: _Pass) -> Tensor:
+            return torch.ones(p.batch, k, dtype=torch.bool) if p.key_mask is None else p.key_mask.cpu().bool()
+
+        masks = [mask(p) for p in passes]
+        key_mask = None if all(bool(m.all()) for m in masks) else torch.cat(masks)
+        return _Pass(
+            intra={m: cat([p.intra[m] for p in passes], -2) for m in passes[0].intra},
+            inter={m: cat([p.inter[m] for p in passes], -2) for m in passes[0].inter},
+            modified=cat([p.modified for p in passes], -1),
+            share=cat([p.share for p in passes], -1),
+            key_mask=None if key_mask is None else key_mask.to(passes[0].modified.device),
+            query_index=rows,
+            batch=sum(p.batch for p in passes),
         )
 
 
@@ -470,6 +700,7 @@ def contribution_weights(
     intra: Sequence[str] | None = None,
     inter: Sequence[str] | None = None,
     attention_mask: Bool[Tensor, "batch pos"] | None = None,
+    queries: Queries = None,
 ) -> ContributionResult:
     """Contribution weights and baselines of every head of ``layers`` in one forward pass.
 
@@ -489,12 +720,22 @@ def contribution_weights(
         attention_mask: ``[batch, pos]``, 1 at real tokens. The default is the padding of a list of texts
             (left or right, the model's padding side) and an encoder's ``[PAD]`` ids
             (:func:`~mechgeom.hooks.to_batch`); padding is then neither a source nor a query (every metric
-            is 0 in its rows and columns).
+            is 0 in its rows and columns, and the table and summary leave it out).
+        queries: the queries to compute, ``None`` for all: an int or ints (positions inside each text,
+            negative from its end: ``[-1]`` is each text's last real token, the prediction position, wherever
+            the padding is), a ``slice`` of those positions, or a boolean ``[pos]`` / ``[batch, pos]`` mask
+            over the padded batch (:func:`~mechgeom.hooks.select_queries`). Only the kept rows are computed,
+            ``O(k)`` per kept query in time and memory (``batch * layers * heads * n_kept * k`` floats per
+            metric); the result's query axis holds them and ``query_index`` says where each stands.
 
     Returns:
         A :class:`ContributionResult`.
+
+    Raises:
+        IndexError: a query position outside some text (naming its valid range).
+        ValueError, TypeError: as :func:`~mechgeom.hooks.select_queries` for a bad ``queries``.
     """
-    col = ContributionCollector(model, layers, intra=intra, inter=inter)
+    col = ContributionCollector(model, layers, intra=intra, inter=inter, queries=queries)
     if cache is not None:
         return run_collector(  # type: ignore[no-any-return]
             model, tokens_or_text, col, cache=cache, extra_hooks=extra_hooks, attention_mask=attention_mask

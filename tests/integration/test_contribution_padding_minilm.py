@@ -1,0 +1,76 @@
+"""Padding and ``queries=`` in contribution weights on the real encoder all-MiniLM-L6-v2 (issue 35).
+
+A list of texts is right-padded with ``[PAD]`` by the tokenizer; left padding is built by hand with an
+``attention_mask``. Either way every per-text number must equal the text run alone: the ``[CLS]``/``[SEP]``
+summary, the table (real positions, numbered inside the text) and the kept query rows.
+"""
+
+from __future__ import annotations
+
+import pandas as pd
+import pytest
+import torch
+
+from mechgeom.analyses.contribution.weights import ContributionResult, contribution_weights
+from mechgeom.hooks import to_tokens
+
+pytestmark = pytest.mark.integration
+
+TEXTS = ["A man is eating food.", "Hi", "The capital of France is Paris, a city of many bridges."]
+LAYERS = [0, 5]
+
+
+def _batch(model, side: str) -> tuple[torch.Tensor, torch.Tensor]:
+    rows = [to_tokens(model, t, encoders=True)[0].cpu() for t in TEXTS]
+    n = max(len(r) for r in rows)
+    pad = int(model.tokenizer.pad_token_id)
+    toks = torch.full((len(rows), n), pad, dtype=torch.long)
+    mask = torch.zeros(len(rows), n, dtype=torch.bool)
+    for b, r in enumerate(rows):
+        sl = slice(0, len(r)) if side == "right" else slice(n - len(r), n)
+        toks[b, sl], mask[b, sl] = r, True
+    return toks, mask
+
+
+def _check_alone(res, rows, b: int, a) -> None:
+    """Text ``b`` of ``res`` (and of ``rows``, its queries 0 and -1) against ``a``, the text alone."""
+    got, want = res.summary(batch=b), a.summary()
+    for k, v in want.items():
+        assert got[k] == pytest.approx(v, rel=1e-5, abs=1e-6), (b, k)
+    for frame, query in ((res, None), (rows, [0, -1])):
+        g = frame.to_frame(batch=b, layers=[5]).drop(columns="batch")
+        w = a.to_frame(layers=[5], query=query).drop(columns="batch")
+        pd.testing.assert_frame_equal(g, w, check_exact=False, rtol=1e-5, atol=2e-5)
+
+
+def test_right_padded_encoder_batch_equals_each_text_alone(minilm):
+    """The tokenizer's own padding ([PAD] on the right): every per-text number is the text alone's."""
+    toks, mask = _batch(minilm, "right")
+    res = contribution_weights(minilm, toks, attention_mask=mask, layers=LAYERS)
+    rows = contribution_weights(minilm, toks, attention_mask=mask, layers=LAYERS, queries=[0, -1])
+    for b, text in enumerate(TEXTS):
+        _check_alone(res, rows, b, contribution_weights(minilm, text, layers=LAYERS))
+    assert res.summary(batch=1)["n_texts"] == 1
+
+
+def test_left_padded_encoder_batch_leaves_the_padding_out(minilm):
+    """Left padding: BERT's absolute positions are not shifted by the mask, so the model itself computes
+    other activations than for the text alone (measured: attention differs by up to 0.67 in layer 0). What
+    mechgeom owes is that padding is left out: each text's numbers equal those of its own real rows and
+    columns of the same pass, cut out into a result of one unpadded text."""
+    toks, mask = _batch(minilm, "left")
+    res = contribution_weights(minilm, toks, attention_mask=mask, layers=LAYERS)
+    rows = contribution_weights(minilm, toks, attention_mask=mask, layers=LAYERS, queries=[0, -1])
+    for b in range(len(TEXTS)):
+        real = mask[b]
+        cut = ContributionResult(
+            layers=res.layers,
+            tokens=res.tokens[b : b + 1, real],
+            intra={k: v[b : b + 1][..., real, :][..., real] for k, v in res.intra.items()},
+            inter={k: v[b : b + 1][..., real, :][..., real] for k, v in res.inter.items()},
+            str_tokens=[[t for t, r in zip(res.str_tokens[b], real.tolist(), strict=True) if r]],
+            modified=res.modified[b : b + 1][..., real],
+            modified_share=res.modified_share[b : b + 1][..., real],
+            causal=False,
+        )
+        _check_alone(res, rows, b, cut)
