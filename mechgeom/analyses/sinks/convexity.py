@@ -121,9 +121,14 @@ def query_terms(
 ) -> dict[str, Tensor]:
     """The per-query tensors of :class:`ConvexityTerms` for one layer, ``[batch, head, q]``: ``sink_mass``,
     ``sq_sink``, ``cross``, ``sq_mean`` (:func:`convexity_terms`, float64, NaN outside ``Q``) and
-    ``modified`` (the heads whose ``z`` an earlier hook changed; all False without one)."""
-    sq_sink, cross, sq_mean, sink_mass = convexity_terms(geo, sinks, gram=gram)
+    ``modified`` (the heads whose ``z`` an earlier hook changed; all False without one). ``geo`` may be a
+    :class:`~mechgeom.analyses.sinks.geometry.QueryRows` (some query rows only, at positions ``geo.rows``):
+    the terms are then those rows' (``q = len(rows)``)."""
+    sq_sink, cross, sq_mean, sink_mass = convexity_terms(geo, sinks, gram=gram)  # type: ignore[arg-type]
     qmask = query_mask(sinks, geo.pattern.shape[-1], geo.pattern.device, causal=geo.causal)
+    rows = getattr(geo, "rows", None)
+    if rows is not None:
+        qmask = qmask[rows.to(qmask.device)]
 
     def nan_out(x: Tensor) -> Tensor:  # NaN outside Q
         return torch.where(qmask, x, torch.full_like(x, torch.nan))
@@ -270,7 +275,10 @@ class ConvexityTerms:
     ) -> pd.DataFrame:
         """One row per (text, layer, head, query in ``Q``): ``sink_mass`` (measured ``s_i``), ``s_star``,
         ``head_out_norm``, ``sq_sink``, ``cross``, ``sq_mean``, ``modified``. Filters are checked: a layer
-        that was not analysed or a head out of range raises ``IndexError`` naming the valid ones."""
+        that was not analysed or a head out of range raises ``IndexError`` naming the valid ones.
+
+        Only real, kept queries have rows (padding and queries left out by ``queries=`` have none); ``query``
+        is the position inside the text."""
         l_sel = self.layers if layers is None else ([layers] if isinstance(layers, int) else list(layers))
         for layer in l_sel:
             self.layer_index(layer)
@@ -283,14 +291,17 @@ class ConvexityTerms:
             li = self.layer_index(layer)
             for h in h_sel:
                 for b in range(self.sink_mass.shape[0]):
-                    sl = (b, li, h, torch.as_tensor(queries, dtype=torch.long))
+                    at = torch.as_tensor(queries, dtype=torch.long)
+                    at = at[~torch.isnan(self.sink_mass[b, li, h, at])]  # real, kept queries only
+                    sl = (b, li, h, at)
+                    queries_b = at.numpy()
                     frames.append(
                         pd.DataFrame(
                             {
                                 "text": b,
                                 "layer": layer,
                                 "head": h,
-                                "query": queries,
+                                "query": queries_b,
                                 "sink_mass": self.sink_mass[sl].numpy(),
                                 "s_star": st[sl].numpy(),
                                 "head_out_norm": norm[sl].numpy(),
@@ -298,7 +309,7 @@ class ConvexityTerms:
                                 "cross": self.cross[sl].numpy(),
                                 "sq_mean": self.sq_mean[sl].numpy(),
                                 "modified": (
-                                    np.zeros(len(queries), dtype=bool)
+                                    np.zeros(len(queries_b), dtype=bool)
                                     if self.modified is None
                                     else self.modified[sl].numpy()
                                 ),
