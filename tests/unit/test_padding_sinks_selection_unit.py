@@ -323,3 +323,19 @@ def test_selection_queries_last_row_is_the_text_alone() -> None:
         assert kept.nonzero().flatten().tolist() == [len(t) - 1]
         for name in SEL_PER_QUERY:
             _close(last.per_query[name][b, ..., len(t) - 1, :], alone.per_query[name][0, ..., len(t) - 1, :])
+
+
+def test_sink_query_frame_takes_negative_query_indices_inside_each_text() -> None:
+    model = make_tiny(n_kv=2, seed=23)
+    texts = _texts(24)
+    tokens, mask = _padded(texts, "left")
+    res = sink_statistics(model, tokens, layers=[0], attention_mask=mask)
+    assert res.extras["lengths"] == LENGTHS
+    assert torch.equal(res.tokens[1, : LENGTHS[1]], texts[1])  # tokens at positions inside each text
+    rows = res.query_frame(heads=[0], queries=[-1, -2])
+    assert rows.groupby("text")["query"].apply(sorted).tolist() == [[n - 2, n - 1] for n in LENGTHS]
+    for b, n in enumerate(LENGTHS):
+        got = rows[(rows.text == b) & (rows["query"] == n - 1)]["sink_mass"].item()
+        assert got == pytest.approx(float(res.sink_mass[b, 0, 0, n - 1]))
+    with pytest.raises(IndexError, match="outside text 1"):
+        res.query_frame(queries=[-6])

@@ -31,6 +31,7 @@ from mechgeom.analyses.contribution import LayerGeometry
 from mechgeom.hooks import (
     LayerActivations,
     LayerCollector,
+    Queries,
     TokensOrText,
     check_index,
     check_indices,
@@ -38,6 +39,7 @@ from mechgeom.hooks import (
     resolve_layers,
     resolve_sinks,
     run_hooks,
+    select_queries,
     sink_mask,
     sink_mass_hooks,
     to_tokens,
@@ -271,28 +273,37 @@ class ConvexityTerms:
         return torch.where(best > 0, self._norm_at(self.sink_mass) / best.clamp_min(1e-300), torch.nan)
 
     def query_frame(
-        self, layers: Sequence[int] | None = None, heads: Sequence[int] | None = None
+        self,
+        layers: Sequence[int] | None = None,
+        heads: Sequence[int] | None = None,
+        *,
+        queries: Queries = None,
     ) -> pd.DataFrame:
         """One row per (text, layer, head, query in ``Q``): ``sink_mass`` (measured ``s_i``), ``s_star``,
         ``head_out_norm``, ``sq_sink``, ``cross``, ``sq_mean``, ``modified``. Filters are checked: a layer
         that was not analysed or a head out of range raises ``IndexError`` naming the valid ones.
 
         Only real, kept queries have rows (padding and queries left out by ``queries=`` have none); ``query``
-        is the position inside the text."""
+        is the position inside the text. ``queries`` keeps some of them (:func:`mechgeom.hooks.select_queries`:
+        positions inside each text, ``-1`` its last token, a slice, a boolean mask)."""
         l_sel = self.layers if layers is None else ([layers] if isinstance(layers, int) else list(layers))
         for layer in l_sel:
             self.layer_index(layer)
         h_sel = check_indices(heads, self.n_heads, "head")
         st, norm = self.s_star(), self.head_out_norm()
-        q = self.sink_mass.shape[-1]
-        queries = np.arange(max(self.sink_positions) + 1, q)
+        n_texts, q = int(self.sink_mass.shape[0]), int(self.sink_mass.shape[-1])
+        lengths = getattr(self, "extras", {}).get("lengths") or [q] * n_texts
+        real = torch.arange(q)[None, :] < torch.tensor(lengths)[:, None]
+        chosen = select_queries(queries, None if bool(real.all()) else real, n_texts, q)
+        positions = np.arange(q)  # those outside Q (NaN) are dropped below
         frames = []
         for layer in l_sel:
             li = self.layer_index(layer)
             for h in h_sel:
                 for b in range(self.sink_mass.shape[0]):
-                    at = torch.as_tensor(queries, dtype=torch.long)
-                    at = at[~torch.isnan(self.sink_mass[b, li, h, at])]  # real, kept queries only
+                    at = torch.as_tensor(positions, dtype=torch.long)
+                    ok = ~torch.isnan(self.sink_mass[b, li, h, at]) & chosen[b, at]
+                    at = at[ok]  # real, kept queries only
                     sl = (b, li, h, at)
                     queries_b = at.numpy()
                     frames.append(

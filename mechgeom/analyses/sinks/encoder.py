@@ -109,6 +109,7 @@ def encoder_sink_statistics(
     merged = merge_sink_results(parts, n_texts=len(texts), pad_id=_pad_id(model))
     merged.sink_positions = labels
     merged.extras["sink_positions_per_text"] = per_text
+    merged.extras["lengths"] = lengths
     return merged
 
 

@@ -253,6 +253,10 @@ class SinkResult(ConvexityTerms, Result):
     those no longer make the head's output, and the factor moments leave such queries out (their
     ``c``, ratio and cosine are NaN, see :mod:`mechgeom.analyses.contribution.weights`).
     ``tokens [n, pos]`` and ``str_tokens`` (from the model's tokenizer) when the texts were given.
+
+    With padding, ``sink_positions``, the query axis and ``tokens`` are positions *inside each text* (each
+    text first, its padding after it; per-query tensors NaN there) and ``extras["lengths"]`` holds each
+    text's real tokens; padding is never a query, a source or a sink.
     """
 
     layers: list[int]
@@ -453,6 +457,7 @@ class SinkCollector(Collector):
         self._grams: dict[int, Tensor] = {}  # float64 W_O Gram matrices, once per layer
         self._offset: dict[int, int] = {}  # texts seen per layer (rows of a [n_texts, pos] queries mask)
         self._starts: list[Tensor] = []  # each batch's first real positions (left padding), first layer
+        self._lengths: list[Tensor] = []  # each text's real tokens (extras["lengths"] of the result)
 
     def on_layer(self, acts: LayerActivations) -> None:
         batch, pos = int(acts.pattern.shape[0]), int(acts.pattern.shape[-1])
@@ -462,6 +467,7 @@ class SinkCollector(Collector):
         starts, lengths = text_spans(acts.key_mask, batch, pos)
         if acts.layer == self.layers[0]:
             self._starts.append(starts)
+            self._lengths.append(lengths)
         with torch.no_grad():
             if acts.layer not in self._grams:
                 self._grams[acts.layer] = wo_gram(acts.W_O, dtype=torch.float64)
@@ -549,6 +555,7 @@ class SinkCollector(Collector):
             )
             for k in keys
         }
+        extras: dict[str, Any] = {"lengths": torch.cat(self._lengths).tolist()} if self._lengths else {}
         starts = torch.cat(self._starts) if self._starts else None
         if tokens is not None and starts is not None and bool(starts.any()) and tokens.shape[-1] == width:
             # left padding: the tokens in text positions too (each text first, its padding after it)
@@ -568,6 +575,7 @@ class SinkCollector(Collector):
             model_name=self.model_name,
             tokens=tokens,
             str_tokens=token_strings(self.model, tokens),
+            extras=extras,
             **stacked,
         )
 
