@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from mechgeom.hooks.validation import Queries, select_queries
+from mechgeom.hooks.validation import Queries, TokensOrText, select_queries, to_batch
 from mechgeom.typing import Bool, Int, Tensor
 
 __all__ = [
@@ -28,6 +28,7 @@ __all__ = [
     "sink_mask",
     "sink_positions_per_text",
     "text_spans",
+    "unpadded_tokens",
 ]
 
 
@@ -279,3 +280,23 @@ def align_texts(acts: Any, queries: Queries = None, offset: int = 0) -> AlignedT
         key_mask=real.to(dev),
     )
     return AlignedTexts(moved, lengths, real, keep)
+
+
+def unpadded_tokens(
+    model: Any, tokens_or_text: TokensOrText, *, what: str, attention_mask: Any = None
+) -> Tensor:
+    """The ids of an analysis that intervenes at fixed positions of every text (a sink's mass or value), which
+    padding would move: :func:`mechgeom.hooks.to_batch`, refusing a batch with padding.
+
+    Raises:
+        ValueError: texts of different lengths (or an ``attention_mask`` with 0s), naming the ways out.
+    """
+    tokens, mask = to_batch(model, tokens_or_text, attention_mask=attention_mask, what=what)
+    if mask is not None:
+        lengths = mask.sum(-1).tolist()
+        raise ValueError(
+            f"{what} intervenes at the same positions of every text and does not take padding yet; the texts "
+            f"have {lengths} real tokens: run texts of one length (e.g. equal-length windows of a corpus) or "
+            "one text at a time"
+        )
+    return tokens

@@ -339,3 +339,16 @@ def test_sink_query_frame_takes_negative_query_indices_inside_each_text() -> Non
         assert got == pytest.approx(float(res.sink_mass[b, 0, 0, n - 1]))
     with pytest.raises(IndexError, match="outside text 1"):
         res.query_frame(queries=[-6])
+
+
+def test_sink_interventions_refuse_padding_with_the_ways_out() -> None:
+    """The mass and value interventions act at the same positions of every text: padding would move them,
+    so a padded batch is refused (it was silently analysed with its pads before) until they take it."""
+    from mechgeom.analyses.sinks import convexity_by_intervention, sink_ablation
+
+    model = make_tiny(n_kv=2, seed=25)
+    tokens, mask = _padded(_texts(26), "left")
+    with pytest.raises(ValueError, match=r"does not take padding yet.*one text at a time"):
+        sink_ablation(model, tokens, attention_mask=mask)
+    with pytest.raises(ValueError, match="does not take padding yet"):
+        convexity_by_intervention(model, tokens, s_values=[0.5], layer=0, attention_mask=mask)

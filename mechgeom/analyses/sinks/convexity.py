@@ -42,7 +42,7 @@ from mechgeom.hooks import (
     select_queries,
     sink_mask,
     sink_mass_hooks,
-    to_tokens,
+    unpadded_tokens,
 )
 from mechgeom.maths import wo_gram
 from mechgeom.typing import Bool, Float, Tensor, Tokens
@@ -190,12 +190,17 @@ def convexity_by_intervention(
     layer: int,
     heads: int | Sequence[int] | None = None,
     sink_positions: int | Sequence[int] | None = None,
+    attention_mask: Tensor | None = None,
 ) -> Float[Tensor, "grid batch head q"]:
     """The convexity curve measured by intervention: for each ``s``, one pass with
     :func:`sink_mass_hooks` on ``layer`` and ``‖z'[i,h] @ W_O[h]‖`` read from the same layer's
     ``hook_z`` (float64 norm of the float32 output). Heads outside ``heads`` keep their clean output;
-    queries outside ``Q`` are NaN. Compare with :meth:`SinkResult.norm_curve`."""
-    tokens = to_tokens(model, tokens_or_text)
+    queries outside ``Q`` are NaN. Compare with :meth:`SinkResult.norm_curve`. Texts of one length: a padded
+    batch (or an ``attention_mask`` with 0s) is refused, since the intervention acts at the same positions of
+    every text (:func:`mechgeom.hooks.unpadded_tokens`)."""
+    tokens = unpadded_tokens(
+        model, tokens_or_text, what="convexity_by_intervention", attention_mask=attention_mask
+    )
     layer = resolve_layers(model, layer)[0]
     sinks = resolve_sinks(sink_positions, tokens.shape[1])
     out = []
@@ -482,15 +487,18 @@ def convexity_check(
     stats: ConvexityTerms | None = None,
     sink_positions: int | Sequence[int] | None = None,
     verbose: bool = False,
+    attention_mask: Tensor | None = None,
 ) -> ConvexityCheck:
     """Measured ``‖o(s)‖`` (:func:`convexity_by_intervention`, one head at a time) against the closed
     form ``stats.norm_curve(s_values)`` for each ``(layer, head)`` of ``heads``.
 
     ``stats`` are the sink statistics of the same texts (a :class:`mechgeom.analyses.sinks.SinkResult`
     or any :class:`ConvexityTerms`); without them the :class:`ConvexityCurves` of the layers of ``heads``
-    are computed. ``sink_positions`` default to those of ``stats`` and must agree with them.
+    are computed. ``sink_positions`` default to those of ``stats`` and must agree with them. Texts of one
+    length: a padded batch (or an ``attention_mask`` with 0s) is refused, as by
+    :func:`convexity_by_intervention`.
     """
-    tokens = to_tokens(model, tokens_or_text)
+    tokens = unpadded_tokens(model, tokens_or_text, what="convexity_check", attention_mask=attention_mask)
     pairs = [(int(layer), int(head)) for layer, head in heads]
     if not pairs:
         raise ValueError("heads is empty; give (layer, head) pairs")
