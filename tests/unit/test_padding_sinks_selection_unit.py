@@ -352,3 +352,30 @@ def test_sink_interventions_refuse_padding_with_the_ways_out() -> None:
         sink_ablation(model, tokens, attention_mask=mask)
     with pytest.raises(ValueError, match="does not take padding yet"):
         convexity_by_intervention(model, tokens, s_values=[0.5], layer=0, attention_mask=mask)
+
+
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_rollout_of_a_padded_batch_is_the_texts_alone(side: str) -> None:
+    from mechgeom.analyses.attribution.rollout import attention_rollout
+
+    model = make_tiny(n_kv=2, seed=27)
+    texts = _texts(28)
+    tokens, mask = _padded(texts, side, pad=4)
+    res = attention_rollout(model, tokens, attention_mask=mask)
+    alone = [attention_rollout(model, t[None]) for t in texts]
+    frame = res.to_frame()
+    for b, (t, a) in enumerate(zip(texts, alone, strict=True)):
+        s = int(mask[b].long().argmax())
+        _close(res.scores[b, :, s : s + len(t), s : s + len(t)], a.scores[0])
+        rows = frame[frame.batch == b]
+        assert rows["query"].max() == len(t) - 1 and rows["key"].min() == 0  # positions inside the text
+        _close(torch.tensor(rows["rollout"].to_numpy()), torch.tensor(a.to_frame()["rollout"].to_numpy()))
+    # pooled over the real queries of every text, as the alone runs pooled
+    n_after = sum(len(t) - 1 for t in texts)
+    first = sum(
+        torch.tensor(a.summary()["first_token_share"]) * (len(t) - 1)
+        for a, t in zip(alone, texts, strict=True)
+    )
+    own = sum(torch.tensor(a.summary()["self_share"]) * len(t) for a, t in zip(alone, texts, strict=True))
+    _close(torch.tensor(res.summary()["first_token_share"]), first / n_after)
+    _close(torch.tensor(res.summary()["self_share"]), own / sum(LENGTHS))
