@@ -28,6 +28,7 @@ __all__ = [
     "sink_mask",
     "sink_positions_per_text",
     "text_spans",
+    "texts_first",
     "unpadded_tokens",
 ]
 
@@ -300,3 +301,21 @@ def unpadded_tokens(
             "one text at a time"
         )
     return tokens
+
+
+def texts_first(tokens: Tensor | None, starts: Sequence[Tensor]) -> Tensor | None:
+    """``tokens`` (``[n_texts, pos]``) with each text moved to the start of its row, as :func:`align_texts`
+    moves the activations; ``starts`` are the first real positions of each batch's texts, in order. Unchanged
+    without left padding (or without tokens, or when they do not match the starts).
+
+    >>> texts_first(torch.tensor([[0, 0, 5, 6], [7, 8, 9, 1]]), [torch.tensor([2, 0])]).tolist()
+    [[5, 6, 0, 0], [7, 8, 9, 1]]
+    """
+    if tokens is None or not starts:
+        return tokens
+    first = torch.cat(list(starts)).cpu()
+    if first.shape[0] != tokens.shape[0] or not bool(first.any()):
+        return tokens
+    width = tokens.shape[-1]
+    index = (torch.arange(width)[None, :] + first[:, None]) % width
+    return torch.gather(tokens, 1, index.to(tokens.device))

@@ -231,6 +231,7 @@ def test_taxonomy_of_a_padded_batch_pools_the_texts_alone(side: str) -> None:
     assert int(res.sums["n_queries"][0, 0]) == sum(n - 1 for n in LENGTHS)  # real queries, not 3 x 8
     for b, (t, a) in enumerate(zip(texts, alone, strict=True)):
         assert torch.equal(res.winners[b, ..., : len(t)], a.winners[0])  # positions inside each text
+        assert torch.equal(res.tokens[b, : len(t)], t)  # the tokens too
         assert bool((res.winners[b, ..., len(t) :] == -1).all())
 
 
@@ -290,6 +291,7 @@ def test_selection_of_a_padded_batch_is_the_texts_alone(side: str) -> None:
         for name in SEL_PER_QUERY:
             _close(res.per_query[name][b, ..., :n, :], alone.per_query[name][0])
             assert bool(res.per_query[name][b, ..., n:, :].isnan().all())
+        assert torch.equal(res.tokens[b, :n], t)  # tokens at positions inside each text, as the query axis
     s = res.summary()
     assert s["n_queries"] == sum(LENGTHS)  # real queries only, not 3 x 9
     assert s["queries_per_text"] == LENGTHS

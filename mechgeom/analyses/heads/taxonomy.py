@@ -40,6 +40,8 @@ from mechgeom.hooks import (
     check_sink_positions,
     head_outputs,
     modified_pairs,
+    text_spans,
+    texts_first,
     to_batch,
 )
 from mechgeom.typing import WO, Bool, Float, Int, Pattern, Tensor, Tokens, Values, Z
@@ -324,6 +326,7 @@ class TaxonomyCollector(Collector):
         self.sink_positions = check_sink_positions(sink_positions)
         self.queries = queries
         self._offset: dict[int, int] = {}
+        self._starts: list[Tensor] = []  # each batch's first real positions (left padding)
         self.keep_winners = keep_winners
         self.corpus = str(corpus)
         self._sums: dict[int, dict[str, Tensor]] = {}
@@ -343,6 +346,8 @@ class TaxonomyCollector(Collector):
                 modified=al.acts.modified,
                 keep=al.keep & al.real,
             )
+        if acts.layer == self.layers[0]:
+            self._starts.append(text_spans(acts.key_mask, *al.keep.shape)[0])
         winners = res.pop("winners")
         if self.keep_winners:
             self._winners[acts.layer].append(winners)
@@ -362,7 +367,7 @@ class TaxonomyCollector(Collector):
             winners=winners,
             model_name=self.model_name,
             corpus=self.corpus,
-            tokens=tokens,
+            tokens=texts_first(tokens, self._starts),  # positions inside each text, as winners
         )
 
 

@@ -78,6 +78,8 @@ from mechgeom.hooks import (
     align_texts,
     check_sink_positions,
     modified_pairs,
+    text_spans,
+    texts_first,
     to_batch,
 )
 from mechgeom.maths import wo_gram
@@ -524,6 +526,7 @@ class SelectionCollector(Collector):
         self.queries = queries
         self._offset: dict[int, int] = {}
         self._kept: list[Tensor] = []
+        self._starts: list[Tensor] = []  # each batch's first real positions (left padding)
         self.ns = check_ns(ns)
         if n_random < 0:
             raise ValueError(f"n_random must be >= 0, got {n_random}")
@@ -581,6 +584,7 @@ class SelectionCollector(Collector):
             queries = torch.tensor(done["queries"], dtype=torch.long)
             if acts.layer == self.layers[0]:
                 self._kept.append(keep[:, queries])
+                self._starts.append(text_spans(acts.key_mask, *keep.shape)[0])
             mod = al.acts.modified
             done["modified"] = (
                 torch.zeros((*acts.pattern.shape[:2], len(queries)), dtype=torch.bool)
@@ -609,7 +613,7 @@ class SelectionCollector(Collector):
         return SelectionResult(
             layers=list(self.layers),
             ns=list(self.ns),
-            tokens=tokens,
+            tokens=texts_first(tokens, self._starts),  # positions inside each text, as the query axis
             queries=list(self._done[self.layers[0]][0]["queries"]),
             per_query=per_query,
             params=params,

@@ -31,6 +31,7 @@ from mechgeom.hooks import (
     resolve_sinks,
     sink_mask,
     text_spans,
+    texts_first,
     token_strings,
 )
 from mechgeom.maths import wo_gram
@@ -556,11 +557,8 @@ class SinkCollector(Collector):
             for k in keys
         }
         extras: dict[str, Any] = {"lengths": torch.cat(self._lengths).tolist()} if self._lengths else {}
-        starts = torch.cat(self._starts) if self._starts else None
-        if tokens is not None and starts is not None and bool(starts.any()) and tokens.shape[-1] == width:
-            # left padding: the tokens in text positions too (each text first, its padding after it)
-            index = (torch.arange(width)[None, :] + starts[:, None]) % width
-            tokens = torch.gather(tokens, 1, index)
+        if tokens is not None and tokens.shape[-1] == width:  # left padding: tokens in text positions too
+            tokens = texts_first(tokens, self._starts)
         n_kv = n_kv_heads(self.model)
         if tokens is not None and tokens.shape != (stacked["sink_mass"].shape[0], width):
             raise ValueError(
