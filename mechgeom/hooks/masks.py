@@ -223,9 +223,21 @@ def batch_queries(
 ) -> Bool[Tensor, "batch pos"]:
     """The kept queries of one batch of a run (:func:`mechgeom.hooks.select_queries`, the one definition).
 
-    A boolean ``[n_texts, pos]`` mask over the whole input is sliced to this batch's rows
-    ``offset .. offset + batch - 1`` (collectors see the texts batch after batch); every other form of
-    ``queries`` (positions inside each text, a slice, a ``[pos]`` mask) is the same for every batch.
+    Args:
+        queries: what ``queries=`` of an analysis took. A boolean ``[n_texts, pos]`` mask over the whole input
+            is sliced to this batch's rows ``offset .. offset + batch - 1`` (collectors see the texts batch
+            after batch); every other form (positions inside each text, a slice, a ``[pos]`` mask) is the same
+            for every batch.
+        mask: this batch's real tokens (``None``: all real).
+        batch, pos: this batch's shape.
+        offset: the index of this batch's first text in the run.
+
+    Returns:
+        ``[batch, pos]`` bool over the padded batch (CPU); all False where a per-text mask keeps nothing of
+        this batch (other batches hold the kept queries).
+
+    Raises:
+        As :func:`mechgeom.hooks.select_queries`; ``ValueError`` for a mask with fewer rows than texts.
     """
     if isinstance(queries, Tensor) and queries.ndim == 2 and queries.shape[0] != batch:
         if offset + batch > queries.shape[0]:
@@ -288,6 +300,9 @@ def unpadded_tokens(
 ) -> Tensor:
     """The ids of an analysis that intervenes at fixed positions of every text (a sink's mass or value), which
     padding would move: :func:`mechgeom.hooks.to_batch`, refusing a batch with padding.
+
+    Returns:
+        ``[batch, pos]`` token ids, every position real.
 
     Raises:
         ValueError: texts of different lengths (or an ``attention_mask`` with 0s), naming the ways out.
