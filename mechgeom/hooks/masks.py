@@ -6,22 +6,30 @@
 
 from __future__ import annotations
 
+import dataclasses
 import operator
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-from mechgeom.typing import Tensor
+from mechgeom.hooks.validation import Queries, TokensOrText, select_queries, to_batch
+from mechgeom.typing import Bool, Int, Tensor
 
 __all__ = [
+    "AlignedTexts",
     "SinkPositionError",
+    "align_texts",
+    "batch_queries",
     "check_sink_positions",
     "masked_mean",
     "query_mask",
     "resolve_sinks",
     "sink_mask",
     "sink_positions_per_text",
+    "text_spans",
+    "texts_first",
+    "unpadded_tokens",
 ]
 
 
@@ -163,3 +171,166 @@ def masked_mean(x: Tensor, mask: Tensor, dim: int) -> Tensor:
     num = torch.where(keep, x, torch.zeros_like(x)).sum(dim)
     den = keep.sum(dim)
     return torch.where(den > 0, num / den.clamp_min(1), torch.full_like(num, float("nan")))
+
+
+def text_spans(
+    mask: Bool[Tensor, "batch pos"] | None, batch: int, pos: int
+) -> tuple[Int[Tensor, " batch"], Int[Tensor, " batch"]]:
+    """Where each text's real tokens stand in a padded batch: ``(start, length)`` per text (CPU).
+
+    Padding is on the left or the right of a text (what a tokenizer and :func:`mechgeom.hooks.to_batch` make),
+    so the real tokens are one block ``start .. start + length - 1``; ``mask=None`` is every position real.
+
+    Raises:
+        ValueError: a text whose real tokens are not one block (padding inside a text), naming it.
+
+    >>> text_spans(torch.tensor([[False, True, True], [True, True, False]]), 2, 3)
+    (tensor([1, 0]), tensor([2, 2]))
+    """
+    if mask is None:
+        return torch.zeros(batch, dtype=torch.long), torch.full((batch,), pos, dtype=torch.long)
+    m = mask.detach().cpu().bool()
+    lengths = m.sum(-1)
+    starts = m.long().argmax(-1)
+    ar = torch.arange(pos)
+    block = (ar[None, :] >= starts[:, None]) & (ar[None, :] < (starts + lengths)[:, None])
+    bad = (block != m).any(-1).nonzero().flatten().tolist()
+    if bad:
+        raise ValueError(
+            f"text(s) {bad} have padding between real tokens: pad on the left or the right of each text "
+            "(attention_mask 0 only at the start or the end of a row)"
+        )
+    return starts, lengths
+
+
+@dataclasses.dataclass
+class AlignedTexts:
+    """One layer's activations with every text moved to the start of its row (see :func:`align_texts`).
+
+    ``acts`` holds ``pattern``, ``v``, ``z`` and ``modified`` with text ``b``'s real tokens at positions
+    ``0 .. lengths[b] - 1`` (padding after them); ``real`` is ``[batch, pos]``, True at those positions;
+    ``keep`` (``[batch, pos]``) the kept queries in the same coordinates (every real one by default).
+    """
+
+    acts: Any
+    lengths: Int[Tensor, " batch"]
+    real: Bool[Tensor, "batch pos"]
+    keep: Bool[Tensor, "batch pos"]
+
+
+def batch_queries(
+    queries: Queries, mask: Bool[Tensor, "batch pos"] | None, batch: int, pos: int, offset: int = 0
+) -> Bool[Tensor, "batch pos"]:
+    """The kept queries of one batch of a run (:func:`mechgeom.hooks.select_queries`, the one definition).
+
+    Args:
+        queries: what ``queries=`` of an analysis took. A boolean ``[n_texts, pos]`` mask over the whole input
+            is sliced to this batch's rows ``offset .. offset + batch - 1`` (collectors see the texts batch
+            after batch); every other form (positions inside each text, a slice, a ``[pos]`` mask) is the same
+            for every batch.
+        mask: this batch's real tokens (``None``: all real).
+        batch, pos: this batch's shape.
+        offset: the index of this batch's first text in the run.
+
+    Returns:
+        ``[batch, pos]`` bool over the padded batch (CPU); all False where a per-text mask keeps nothing of
+        this batch (other batches hold the kept queries).
+
+    Raises:
+        As :func:`mechgeom.hooks.select_queries`; ``ValueError`` for a mask with fewer rows than texts.
+    """
+    if isinstance(queries, Tensor) and queries.ndim == 2 and queries.shape[0] != batch:
+        if offset + batch > queries.shape[0]:
+            raise ValueError(
+                f"the queries mask has {queries.shape[0]} rows, but text {offset + batch - 1} was analysed: "
+                "give one row per text"
+            )
+        queries = queries[offset : offset + batch]
+    if isinstance(queries, Tensor) and queries.dtype == torch.bool and not bool(queries.any()):
+        return torch.zeros(batch, pos, dtype=torch.bool)  # none of this batch's queries (others elsewhere)
+    return select_queries(queries, mask, batch, pos)
+
+
+def align_texts(acts: Any, queries: Queries = None, offset: int = 0) -> AlignedTexts:
+    """A layer's activations (:class:`~mechgeom.hooks.LayerActivations`) with each text moved to the start.
+
+    Left padding puts text ``b``'s first real token at ``start[b] > 0``; here its tokens move to ``0 ..
+    length[b] - 1`` (a cyclic shift of the query and key axes of ``pattern`` and of ``v``, ``z``,
+    ``modified``), so that position ``p`` is the ``p``-th token of every text, as when the text runs alone.
+    On a causal decoder a real query then sees only real keys (the padding after it is in its future), so
+    every per-query quantity of a real query equals that of the text run alone; the caller leaves out the
+    queries at ``~real`` (padding) and the keys at ``~real``. Right padding (and no padding) is unchanged.
+
+    Args:
+        acts: one layer's activations; ``acts.key_mask`` marks the padding (``None``: none).
+        queries: the kept queries (``queries=`` of the analyses, :func:`batch_queries`), ``None`` for all.
+        offset: the index of this batch's first text in the run (for a ``[n_texts, pos]`` queries mask).
+
+    Returns:
+        An :class:`AlignedTexts`.
+    """
+    batch, pos = int(acts.pattern.shape[0]), int(acts.pattern.shape[-1])
+    mask = acts.key_mask
+    keep = batch_queries(queries, mask, batch, pos, offset)
+    starts, lengths = text_spans(mask, batch, pos)
+    real = torch.arange(pos)[None, :] < lengths[:, None]
+    if not bool(starts.any()):
+        return AlignedTexts(acts, lengths, real, keep)
+    index = (torch.arange(pos)[None, :] + starts[:, None]) % pos  # [b p]: padded position of text position p
+    keep = torch.gather(keep, 1, index)
+    dev = acts.pattern.device
+    idx = index.to(dev)
+    b_ix = torch.arange(batch, device=dev)[:, None]
+    pattern = acts.pattern[b_ix[:, :, None], :, idx[:, :, None], idx[:, None, :]]  # [b q k h]
+    moved = dataclasses.replace(
+        acts,
+        pattern=pattern.permute(0, 3, 1, 2),
+        v=acts.v[b_ix, idx],
+        z=acts.z[b_ix, idx],
+        modified=None
+        if acts.modified is None
+        else torch.gather(acts.modified, 2, idx[:, None, :].expand_as(acts.modified)),
+        key_mask=real.to(dev),
+    )
+    return AlignedTexts(moved, lengths, real, keep)
+
+
+def unpadded_tokens(
+    model: Any, tokens_or_text: TokensOrText, *, what: str, attention_mask: Any = None
+) -> Tensor:
+    """The ids of an analysis that intervenes at fixed positions of every text (a sink's mass or value), which
+    padding would move: :func:`mechgeom.hooks.to_batch`, refusing a batch with padding.
+
+    Returns:
+        ``[batch, pos]`` token ids, every position real.
+
+    Raises:
+        ValueError: texts of different lengths (or an ``attention_mask`` with 0s), naming the ways out.
+    """
+    tokens, mask = to_batch(model, tokens_or_text, attention_mask=attention_mask, what=what)
+    if mask is not None:
+        lengths = mask.sum(-1).tolist()
+        raise ValueError(
+            f"{what} intervenes at the same positions of every text and does not take padding yet; the texts "
+            f"have {lengths} real tokens: run texts of one length (e.g. equal-length windows of a corpus) or "
+            "one text at a time"
+        )
+    return tokens
+
+
+def texts_first(tokens: Tensor | None, starts: Sequence[Tensor]) -> Tensor | None:
+    """``tokens`` (``[n_texts, pos]``) with each text moved to the start of its row, as :func:`align_texts`
+    moves the activations; ``starts`` are the first real positions of each batch's texts, in order. Unchanged
+    without left padding (or without tokens, or when they do not match the starts).
+
+    >>> texts_first(torch.tensor([[0, 0, 5, 6], [7, 8, 9, 1]]), [torch.tensor([2, 0])]).tolist()
+    [[5, 6, 0, 0], [7, 8, 9, 1]]
+    """
+    if tokens is None or not starts:
+        return tokens
+    first = torch.cat(list(starts)).cpu()
+    if first.shape[0] != tokens.shape[0] or not bool(first.any()):
+        return tokens
+    width = tokens.shape[-1]
+    index = (torch.arange(width)[None, :] + first[:, None]) % width
+    return torch.gather(tokens, 1, index.to(tokens.device))

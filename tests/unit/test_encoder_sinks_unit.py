@@ -152,12 +152,21 @@ def test_sink_name_errors_are_clear() -> None:
         sink_positions_per_text(plain, tokens, ["[CLS]"])
 
 
-def test_a_padded_batch_is_refused_by_the_bare_collector() -> None:
+def test_a_padded_batch_in_the_bare_collector_is_each_text_alone() -> None:
+    """The collector once refused a padded encoder batch; it now reads each text on its real tokens (issue
+    35), so its numbers are those of the texts run alone, padding never a query, a source or a sink."""
     model = _encoder(89)
     tokens = _texts([6, 4], seed=90)
-    with pytest.raises(ValueError, match="groups texts by length"):
-        collect(model, tokens, SinkCollector(model))
+    padded = collect(model, tokens, SinkCollector(model))
     assert not has_hooks(model)
+    for b, n in enumerate([6, 4]):
+        alone = collect(model, tokens[b : b + 1, :n], SinkCollector(model))
+        for name in ("sink_rate", "norm_ratio_vt", "cos_sink_tokens", "cos_sink_mean"):
+            torch.testing.assert_close(
+                getattr(padded, name)[b], getattr(alone, name)[0], rtol=1e-5, atol=1e-6
+            )
+        torch.testing.assert_close(padded.sink_mass[b, ..., :n], alone.sink_mass[0], rtol=1e-5, atol=1e-6)
+        assert bool(padded.sink_mass[b, ..., n:].isnan().all())
 
 
 def test_merge_checks_its_parts() -> None:

@@ -103,13 +103,20 @@ class RolloutResult(Result):
             qq, kk = (
                 torch.tril_indices(q, k) if self.causal else torch.cartesian_prod(*(torch.arange(q),) * 2).T
             )
+            start = 0
             if self.key_mask is not None:
                 real = self.key_mask[b]
                 keep = real[qq] & real[kk]
                 qq, kk = qq[keep], kk[keep]
+                start = int(real.long().argmax())  # left padding: positions inside the text
             for li, layer in enumerate(self.layers):
                 vals = self.scores[b, li, qq, kk]
-                cols: dict[str, Any] = {"batch": b, "layer": layer, "query": qq.numpy(), "key": kk.numpy()}
+                cols: dict[str, Any] = {
+                    "batch": b,
+                    "layer": layer,
+                    "query": (qq - start).numpy(),
+                    "key": (kk - start).numpy(),
+                }
                 if self.str_tokens is not None:
                     cols["query_token"] = [self.str_tokens[b][i] for i in qq.tolist()]
                     cols["key_token"] = [self.str_tokens[b][j] for j in kk.tolist()]
@@ -119,12 +126,22 @@ class RolloutResult(Result):
 
     def summary(self) -> dict[str, Any]:
         """Per analysed layer, the mean share of the first position (``first_token_share``, over queries
-        ``i >= 1``) and of each position's own token (``self_share``), over texts."""
+        ``i >= 1``) and of each position's own token (``self_share``), over texts. With padding the first
+        position is each text's first real token, and only real queries are averaged (their pooled mean)."""
         s = self.scores.double()
+        n, _, q, _ = s.shape
+        real = torch.ones(n, q, dtype=torch.bool) if self.key_mask is None else self.key_mask.cpu().bool()
+        starts = real.long().argmax(-1)  # [n]: each text's first real token
+        first_col = s[torch.arange(n), :, :, starts]  # [n layer q]: the share of that token
+        after = real & (torch.arange(q)[None, :] > starts[:, None])  # real queries after it
+        den = after.sum()
         first = (
-            s[:, :, 1:, 0].mean(dim=(0, 2)) if s.shape[-1] > 1 else torch.full((len(self.layers),), torch.nan)
+            (first_col * after[:, None, :]).sum(dim=(0, 2)) / den
+            if int(den)
+            else torch.full((len(self.layers),), torch.nan)
         )
-        own = torch.diagonal(s, dim1=-2, dim2=-1).mean(dim=(0, 2))
+        diag = torch.diagonal(s, dim1=-2, dim2=-1)  # [n layer q]
+        own = (diag * real[:, None, :]).sum(dim=(0, 2)) / real.sum()
         return {
             "n_texts": int(s.shape[0]),
             "layers": list(self.layers),
@@ -223,6 +240,7 @@ def attention_rollout(
     extra_hooks: Sequence[FwdHook] = (),
     verbose: bool = False,
     batch_size: int = 8,
+    attention_mask: Tensor | None = None,
 ) -> RolloutResult:
     """Attention rollout scores of the input to each of ``layers`` (default every layer).
 
@@ -236,6 +254,9 @@ def attention_rollout(
             rollout; a ``hook_z`` edit does not, and is marked in :attr:`RolloutResult.modified`).
         verbose: a progress bar over batches.
         batch_size: texts per forward pass.
+        attention_mask: ``[batch, pos]``, 1 at real tokens, 0 at padding (left or right); by default the
+            padding of a list of texts or an encoder's ``[PAD]``. Padding is neither a query nor a source
+            (0 in ``scores``, absent from :meth:`RolloutResult.to_frame`, whose positions are inside each text).
 
     Returns:
         A :class:`RolloutResult`.
@@ -249,4 +270,5 @@ def attention_rollout(
         batch_size=batch_size,
         verbose=verbose,
         desc="rollout",
+        attention_mask=attention_mask,
     )

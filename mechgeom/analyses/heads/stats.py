@@ -36,11 +36,12 @@ from mechgeom.hooks import (
     FwdHook,
     LayerActivations,
     TokensOrText,
+    align_texts,
     check_sink_positions,
     head_outputs,
     hook_name,
     layer_W_O,
-    to_tokens,
+    to_batch,
 )
 from mechgeom.maths import wo_gram
 from mechgeom.typing import WO, Float, Pattern, Tensor, Tokens, Z
@@ -190,14 +191,27 @@ class HeadStatsCollector(Collector):
 
     def on_layer(self, acts: LayerActivations) -> None:
         li = self._index[acts.layer]
-        zs = acts.z[:, self.start_pos :]  # [batch pos head_index d_head]
+        if acts.key_mask is None:
+            al = None
+            pattern, z = acts.pattern, acts.z
+        else:  # each text at the start of its row; positions >= start_pos inside each text, padding out
+            al = align_texts(acts)
+            pattern, z = al.acts.pattern, al.acts.z
+        real = None if al is None else al.real[:, self.start_pos :].to(z.device)  # [batch pos]
+        zs = z[:, self.start_pos :]  # [batch pos head_index d_head]
+        norms = head_output_norm(zs, acts.W_O).double()  # [batch pos head_index]
+        ent = pattern_entropy(pattern[:, :, self.start_pos :])  # [batch head_index query_pos]
+        if real is not None:
+            zs = torch.where(real[:, :, None, None], zs, 0.0)
+            norms = torch.where(real[:, :, None], norms, 0.0)
+            ent = torch.where(real[:, None, :], ent, 0.0)
         self.z_sum[li] += zs.double().sum(dim=(0, 1)).cpu()
-        self.norm_sum[li] += head_output_norm(zs, acts.W_O).double().sum(dim=(0, 1)).cpu()
-        ent = pattern_entropy(acts.pattern[:, :, self.start_pos :])  # [batch head_index query_pos]
+        self.norm_sum[li] += norms.sum(dim=(0, 1)).cpu()
         self.entropy_sum[li] += ent.sum(dim=(0, 2)).cpu()
         if li == 0:
-            self.n_z += zs.shape[0] * zs.shape[1]
-            self.n_q += ent.shape[0] * ent.shape[2]
+            n = zs.shape[0] * zs.shape[1] if real is None else int(real.sum())
+            self.n_z += n
+            self.n_q += n
         if self.taxonomy is not None:
             self.taxonomy.receive(acts)
 
@@ -241,6 +255,7 @@ def head_stats(
     batch_size: int = 8,
     taxonomy: bool = True,
     sink_positions: int | Sequence[int] | None = None,
+    attention_mask: Tensor | None = None,
 ) -> HeadStats:
     """Reference statistics of every head of ``layers`` over ``tokens`` ``[n_texts, pos]``, one pass per batch.
 
@@ -260,6 +275,8 @@ def head_stats(
         taxonomy: also label every head from the same passes
             (:class:`~mechgeom.analyses.heads.taxonomy.TaxonomyCollector` with ``sink_positions``), kept in
             :attr:`HeadStats.taxonomy`.
+        attention_mask: ``[batch, pos]``, 1 at real tokens, 0 at padding (left or right); by default the
+            padding of a list of texts. Padding is never averaged; ``start_pos`` is a position inside each text.
 
     Returns:
         A :class:`HeadStats`.
@@ -274,10 +291,16 @@ def head_stats(
             int(cache[hook_name(col.layers[0], "z")].shape[1]), start_pos, taxonomy, sink_positions
         )
     elif tokens_or_text is not None:
-        n_pos = to_tokens(
-            model, tokens_or_text, min_pos=start_pos + 1, what=f"head statistics from start_pos={start_pos}"
-        ).shape[1]
+        tokens, mask = to_batch(
+            model,
+            tokens_or_text,
+            attention_mask=attention_mask,
+            min_pos=start_pos + 1,
+            what=f"head statistics from start_pos={start_pos}",
+        )
+        n_pos = int(tokens.shape[1]) if mask is None else int(mask.sum(-1).max())
         _check_positions(n_pos, start_pos, taxonomy, sink_positions)
+        tokens_or_text, attention_mask = tokens, mask
     return run_collector(  # type: ignore[no-any-return]
         model,
         tokens_or_text,
@@ -289,6 +312,7 @@ def head_stats(
         desc="head stats",
         min_pos=start_pos + 1,
         what=f"head statistics from start_pos={start_pos}",
+        attention_mask=attention_mask,
     )
 
 

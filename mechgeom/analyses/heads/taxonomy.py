@@ -34,11 +34,15 @@ from mechgeom.analyses.base import Collector, Result, run_collector
 from mechgeom.hooks import (
     FwdHook,
     LayerActivations,
+    Queries,
     TokensOrText,
+    align_texts,
     check_sink_positions,
     head_outputs,
     modified_pairs,
-    to_tokens,
+    text_spans,
+    texts_first,
+    to_batch,
 )
 from mechgeom.typing import WO, Bool, Float, Int, Pattern, Tensor, Tokens, Values, Z
 
@@ -129,6 +133,7 @@ def layer_taxonomy(
     *,
     sink_positions: int | Sequence[int] | None = None,
     modified: Bool[Tensor, "batch head_index query_pos"] | None = None,
+    keep: Bool[Tensor, "batch query_pos"] | None = None,
 ) -> dict[str, Tensor]:
     """Per-head sums for one layer: winner counts, sink mass and (with ``z``, ``W_O``) alignments.
 
@@ -140,48 +145,70 @@ def layer_taxonomy(
     (:func:`mechgeom.hooks.modified_mask`): winners still come from ``alpha`` and ``v`` (what the model
     computed), ``n_modified`` counts those queries, and their output alignments (which would mix the
     changed ``z`` with the unchanged values) are left out of the ``cos_*`` sums.
+
+    ``keep`` (``[batch, query_pos]``, default every query) is the queries counted: padding and the queries
+    left out by ``queries=`` are False there (:func:`mechgeom.hooks.align_texts` gives it for a padded batch,
+    each text moved to the start of its row). Only the rows of queries kept in some text are computed.
     """
-    winners = source_winners(pattern, v)
+    if pattern.ndim != 4 or v.ndim != 4 or pattern.shape[-1] != pattern.shape[-2]:
+        source_winners(pattern, v)  # raises with the shapes
     b, h, _, k = pattern.shape
     sinks = check_sink_positions(sink_positions, k)
     first = max(sinks) + 1
     if first >= k:
         raise ValueError(f"no query after the sink position(s) {list(sinks)} in sequences of {k} positions")
-    w = winners[:, :, first:]  # [b h nq]
-    pos = torch.arange(first, k, device=w.device)
+    dev = pattern.device
+    counted = torch.ones(b, k, dtype=torch.bool) if keep is None else keep.detach().cpu().bool().clone()
+    counted[:, :first] = False
+    rows = counted.any(0).nonzero().flatten()  # queries kept in some text: the only rows computed
+    sel = counted[:, rows].to(dev)  # [b r]
+    rows = rows.to(dev)
+    pat = pattern[:, :, rows]  # [b h r k]
+    norm = einops.rearrange(v.norm(dim=-1), "b k h -> b h k")
+    score = pat * norm[:, :, None, :]
+    visible = torch.arange(k, device=dev)[None, :] <= rows[:, None]  # [r k]: j <= i
+    w = score.masked_fill(~visible, float("-inf")).argmax(dim=-1)  # [b h r]; ties: the lower position
+    sel_h = sel[:, None, :].expand_as(w)
     is_sink = torch.zeros_like(w, dtype=torch.bool)
     for s in sinks:
         is_sink |= w == s
+    mass = pat[..., list(sinks)].sum(-1)
     sums: dict[str, Tensor] = {
-        "n_queries": torch.full((h,), float(b * (k - first)), dtype=torch.float64),
-        "n_cur": (w == pos).sum(dim=(0, 2)).double(),
-        "n_sink": is_sink.sum(dim=(0, 2)).double(),
-        "sink_mass": pattern[:, :, first:, list(sinks)].sum(-1).sum(dim=(0, 2)).double(),
+        "n_queries": torch.full((h,), float(sel.sum()), dtype=torch.float64),
+        "n_cur": ((w == rows) & sel_h).sum(dim=(0, 2)).double(),
+        "n_sink": (is_sink & sel_h).sum(dim=(0, 2)).double(),
+        "sink_mass": torch.where(sel_h, mass, 0.0).sum(dim=(0, 2)).double(),
     }
     if z is not None and W_O is not None:
-        o = head_outputs(z, W_O)[:, first:].double()  # [b nq h m]
+        o = head_outputs(z[:, rows], W_O).double()  # [b r h m]
         vt = head_outputs(v, W_O).double()  # [b k h m]
         o_norm = o.norm(dim=-1)
         sink_vt = vt[:, sinks[0]]  # [b h m]
         cos_sink = einops.einsum(o, sink_vt, "b q h m, b h m -> b q h") / (
             o_norm * sink_vt.norm(dim=-1)[:, None]
         )
-        cur_vt = vt[:, first:]
+        cur_vt = vt[:, rows]
         cos_cur = (o * cur_vt).sum(-1) / (o_norm * cur_vt.norm(dim=-1))
-        kept = None if modified is None else ~einops.rearrange(modified[:, :, first:], "b h q -> b q h")
+        kept = sel[:, :, None].expand_as(o_norm)  # [b q h]
+        if modified is not None:
+            kept = kept & ~einops.rearrange(modified[:, :, rows], "b h q -> b q h")
         for name, c in (("cos_sink", cos_sink), ("cos_cur", cos_cur)):
-            ok = torch.isfinite(c) if kept is None else torch.isfinite(c) & kept
+            ok = torch.isfinite(c) & kept
             sums[f"{name}_sum"] = torch.where(ok, c, 0.0).sum(dim=(0, 1))
             sums[f"{name}_n"] = ok.sum(dim=(0, 1)).double()
     else:
         for name in ("cos_sink_sum", "cos_sink_n", "cos_cur_sum", "cos_cur_n"):
             sums[name] = torch.zeros(h, dtype=torch.float64)
-    n_mod = torch.zeros(h, dtype=torch.float64) if modified is None else modified[:, :, first:].sum((0, 2))
+    n_mod = (
+        torch.zeros(h, dtype=torch.float64)
+        if modified is None
+        else (modified[:, :, rows] & sel_h).sum((0, 2))
+    )
     sums["n_modified"] = n_mod.double()
     out = {key: t.cpu() for key, t in sums.items()}
-    out["winners"] = torch.cat(
-        [torch.full((b, h, first), -1, dtype=winners.dtype, device=w.device), w], -1
-    ).cpu()
+    winners = torch.full((b, h, k), -1, dtype=w.dtype)
+    winners[:, :, rows.cpu()] = torch.where(sel_h, w, -1).cpu()
+    out["winners"] = winners
     return out
 
 
@@ -278,6 +305,11 @@ class TaxonomyCollector(Collector):
     ``fwd_hooks`` read ``hook_pattern``, ``hook_v`` and ``hook_z``; counts add up over as many forward
     passes (or :meth:`feed_cache` calls) as you like; :meth:`result` returns a :class:`TaxonomyResult`.
     ``corpus`` labels the result (a ``corpus`` column of its table when not empty).
+
+    Padding (``LayerActivations.key_mask``, left or right) is never a query, a source or a sink: each text
+    is moved to the start of its row (:func:`mechgeom.hooks.align_texts`), so ``sink_positions`` and the
+    query axis of ``winners`` are positions inside each text and the counts are those of the texts run
+    alone, pooled. ``queries`` (:func:`mechgeom.hooks.select_queries`) keeps some queries of each text.
     """
 
     def __init__(
@@ -288,24 +320,34 @@ class TaxonomyCollector(Collector):
         sink_positions: int | Sequence[int] | None = None,
         keep_winners: bool = False,
         corpus: str = "",
+        queries: Queries = None,
     ) -> None:
         super().__init__(model, layers)
         self.sink_positions = check_sink_positions(sink_positions)
+        self.queries = queries
+        self._offset: dict[int, int] = {}
+        self._starts: list[Tensor] = []  # each batch's first real positions (left padding)
         self.keep_winners = keep_winners
         self.corpus = str(corpus)
         self._sums: dict[int, dict[str, Tensor]] = {}
         self._winners: dict[int, list[Tensor]] = {la: [] for la in self.layers}
 
     def on_layer(self, acts: LayerActivations) -> None:
+        offset = self._offset.get(acts.layer, 0)
+        self._offset[acts.layer] = offset + int(acts.pattern.shape[0])
         with torch.no_grad():
+            al = align_texts(acts, self.queries, offset)  # each text at the start of its row
             res = layer_taxonomy(
-                acts.pattern,
-                acts.v,
-                acts.z,
-                acts.W_O,
+                al.acts.pattern,
+                al.acts.v,
+                al.acts.z,
+                al.acts.W_O,
                 sink_positions=self.sink_positions,
-                modified=acts.modified,
+                modified=al.acts.modified,
+                keep=al.keep & al.real,
             )
+        if acts.layer == self.layers[0]:
+            self._starts.append(text_spans(acts.key_mask, *al.keep.shape)[0])
         winners = res.pop("winners")
         if self.keep_winners:
             self._winners[acts.layer].append(winners)
@@ -325,7 +367,7 @@ class TaxonomyCollector(Collector):
             winners=winners,
             model_name=self.model_name,
             corpus=self.corpus,
-            tokens=tokens,
+            tokens=texts_first(tokens, self._starts),  # positions inside each text, as winners
         )
 
 
@@ -341,6 +383,8 @@ def classify_heads(
     batch_size: int = 8,
     keep_winners: bool = False,
     corpus: str = "",
+    attention_mask: Tensor | None = None,
+    queries: Queries = None,
 ) -> TaxonomyResult:
     """Label every head of ``layers`` Retriever, Mixer or Reset from its source winners.
 
@@ -355,23 +399,34 @@ def classify_heads(
         batch_size: texts per forward pass (the counts add up over passes).
         keep_winners: keep every query's winner (``[text, layer, head, query]``) on the result.
         corpus: a label for the result's table.
+        attention_mask: ``[batch, pos]``, 1 at real tokens, 0 at padding (left or right); by default the
+            padding of a list of texts (the tokenizer's ``padding_side``). Padding is never counted: the counts
+            are those of the texts run alone, pooled; ``sink_positions`` are positions inside each text.
+        queries: the queries counted (:func:`mechgeom.hooks.select_queries`: positions inside each text,
+            ``-1`` its last token; a slice; a boolean mask); ``None`` counts every real query after the sinks.
 
     Returns:
         A :class:`TaxonomyResult`.
     """
     col = TaxonomyCollector(
-        model, layers, sink_positions=sink_positions, keep_winners=keep_winners, corpus=corpus
+        model,
+        layers,
+        sink_positions=sink_positions,
+        keep_winners=keep_winners,
+        corpus=corpus,
+        queries=queries,
     )
     what = "the taxonomy (a query after the sink)"
     if cache is None and tokens_or_text is not None:
-        tokens = to_tokens(model, tokens_or_text, min_pos=2, what=what)
+        tokens, mask = to_batch(model, tokens_or_text, attention_mask=attention_mask, min_pos=2, what=what)
+        longest = int(tokens.shape[1]) if mask is None else int(mask.sum(-1).max())
         sinks = check_sink_positions(sink_positions, tokens.shape[1])
-        if max(sinks) + 1 >= tokens.shape[1]:
+        if max(sinks) + 1 >= longest:
             raise ValueError(
                 f"the taxonomy needs a query after the sink position(s) {list(sinks)}: "
-                f"sequences of {tokens.shape[1]} positions have none"
+                f"texts of at most {longest} real positions have none"
             )
-        tokens_or_text = tokens
+        tokens_or_text, attention_mask = tokens, mask
     return run_collector(  # type: ignore[no-any-return]
         model,
         tokens_or_text,
@@ -383,6 +438,7 @@ def classify_heads(
         desc="taxonomy",
         min_pos=2,
         what=what,
+        attention_mask=attention_mask,
     )
 
 

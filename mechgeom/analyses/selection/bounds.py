@@ -142,6 +142,7 @@ def fit_bound_params(
     *,
     metric: Float[Tensor, "head_index d_head d_head"] | None = None,
     dtype: torch.dtype = torch.float64,
+    real: Bool[Tensor, "batch pos"] | None = None,
 ) -> BoundParams:
     """Fit the regime's parameters per head over every sequence and position of ``v``.
 
@@ -153,9 +154,12 @@ def fit_bound_params(
     fitted activations, so :func:`sink_aware_bound` with these parameters is a guarantee there.
     ``metric`` (``W_O W_Oᵀ``) measures in projected space. Zero-norm values are left out of the cosines.
     Without a pair of non-sink values ``mu = 1``; without a non-sink value ``kappa = -1``.
+    ``real`` (``[batch, pos]``, default all True) marks the real tokens of a padded batch whose texts start
+    at position 0 (:func:`mechgeom.hooks.align_texts`): padding is never a sink or a non-sink value, so the
+    fit pools the real tokens of every text.
     """
     vv = v.to(dtype)
-    n_pos = vv.shape[1]
+    b, n_pos = vv.shape[0], vv.shape[1]
     sinks = list(check_sink_positions(sink_positions, n_pos))
     if metric is None:
         gram = einops.einsum(vv, vv, "b j h d, b k h d -> b h j k")
@@ -165,29 +169,33 @@ def fit_bound_params(
     denom = norm[..., :, None] * norm[..., None, :]
     cos = gram / torch.where(denom > 0, denom, torch.ones_like(denom))
     ok = denom > 0
-    is_sink = torch.zeros(n_pos, dtype=torch.bool, device=vv.device)
+    dev = vv.device
+    is_real = torch.ones(b, n_pos, dtype=torch.bool, device=dev) if real is None else real.to(dev).bool()
+    is_sink = torch.zeros(n_pos, dtype=torch.bool, device=dev)
     is_sink[sinks] = True
-    ns = ~is_sink
-    nn_pair = ns[:, None] & ns[None, :] & ~torch.eye(n_pos, dtype=torch.bool, device=vv.device)
-    ns_norm = norm[:, :, ns]  # [b h n_nonsink]
+    ns = ~is_sink[None, :] & is_real  # [b k]: the non-sink values
+    eye = torch.eye(n_pos, dtype=torch.bool, device=dev)
+    nn_pair = (ns[:, :, None] & ns[:, None, :] & ~eye)[:, None]  # [b 1 j k]
     h = vv.shape[2]
-    if ns_norm.shape[-1]:
-        nu = einops.reduce(ns_norm, "b h k -> h", "mean")
-        nu_min = einops.reduce(ns_norm, "b h k -> h", "min")
-        nu_max = einops.reduce(ns_norm, "b h k -> h", "max")
+    ns_h = ns[:, None, :].expand_as(norm)  # [b h k]
+    n_ns = ns.sum()
+    if int(n_ns):
+        nu = torch.where(ns_h, norm, 0.0).sum(dim=(0, 2)) / n_ns
+        nu_min = einops.reduce(norm.masked_fill(~ns_h, float("inf")), "b h k -> h", "min")
+        nu_max = einops.reduce(norm.masked_fill(~ns_h, float("-inf")), "b h k -> h", "max")
     else:
-        nu = nu_min = nu_max = torch.zeros(h, dtype=dtype, device=vv.device)
+        nu = nu_min = nu_max = torch.zeros(h, dtype=dtype, device=dev)
     sink_norm = norm[:, :, sinks]
     sink_min = einops.reduce(sink_norm, "b h s -> h", "min")
     sink_max = einops.reduce(sink_norm, "b h s -> h", "max")
     rho = einops.reduce(sink_norm, "b h s -> h", "mean") / torch.where(nu > 0, nu, torch.ones_like(nu))
-    pair_cos = cos.masked_fill(~(ok & nn_pair), float("-inf"))
+    pair_ok = ok & nn_pair
+    pair_cos = cos.masked_fill(~pair_ok, float("-inf"))
     mu = einops.reduce(pair_cos, "b h j k -> h", "max")
     mu = torch.where(torch.isfinite(mu), mu, torch.ones_like(mu))
-    pair_ok = ok & nn_pair
     mu_mean = (cos * pair_ok).sum(dim=(0, 2, 3)) / pair_ok.sum(dim=(0, 2, 3)).clamp_min(1)
-    sink_cos = cos[:, :, sinks][..., ns]  # [b h s n_nonsink]
-    sink_ok = ok[:, :, sinks][..., ns]
+    sink_cos = cos[:, :, sinks]  # [b h s k]
+    sink_ok = ok[:, :, sinks] & ns[:, None, None, :]
     worst = sink_cos.masked_fill(~sink_ok, float("-inf"))
     kappa = -einops.reduce(worst, "b h s k -> h", "max")
     kappa = torch.where(torch.isfinite(kappa), kappa, -torch.ones_like(kappa))

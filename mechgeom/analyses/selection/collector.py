@@ -73,10 +73,14 @@ from mechgeom.analyses.selection.geometry import (
 from mechgeom.hooks import (
     FwdHook,
     LayerActivations,
+    Queries,
     TokensOrText,
+    align_texts,
     check_sink_positions,
     modified_pairs,
-    to_tokens,
+    text_spans,
+    texts_first,
+    to_batch,
 )
 from mechgeom.maths import wo_gram
 from mechgeom.typing import WO, Bool, Float, Pattern, Tensor, Tokens, Values
@@ -187,6 +191,8 @@ def layer_selection(
     batch_chunk: int | None = None,
     verbose: bool = False,
     generator: torch.Generator | None = None,
+    keep: Bool[Tensor, "batch query_pos"] | None = None,
+    real: Bool[Tensor, "batch pos"] | None = None,
 ) -> dict[str, Any]:
     """Every §B quantity of one layer, vectorised over batch, heads and queries (a loop over ``N``).
 
@@ -207,6 +213,11 @@ def layer_selection(
     ``batch_chunk`` bounds memory (rows processed together). ``generator`` (default: a new one seeded with
     ``seed``) draws the random subsets, chunk after chunk of texts; a collector passes the same one for every
     batch, so the draws do not depend on how the texts were batched (for batches that are whole chunks).
+
+    Padding and query subsets: the texts start at position 0 (:func:`mechgeom.hooks.align_texts` moves
+    left-padded ones), ``real`` marks their real tokens (never a value of the bound's fit) and ``keep`` the
+    queries analysed (padding and the queries left out by ``queries=`` are False; their outputs are NaN).
+    Only the rows of queries kept in some text are computed.
     """
     check_dtype(dtype)
     check_pattern_v(pattern, v)
@@ -231,24 +242,34 @@ def layer_selection(
     sink_mask[sinks] = True
     n_src = cand.sum(-1)  # [nq]
     n_src_ns = cand_ns.sum(-1)
-    params = fit_bound_params(v, sinks, metric=metric) if bound else None
+    params = fit_bound_params(v, sinks, metric=metric, real=real) if bound else None
     gen = torch.Generator(device=device).manual_seed(int(seed)) if generator is None else generator
     nan = float("nan")
     out = {name: torch.full((b, h, len(queries), len(ns)), nan, dtype=torch.float32) for name in PER_QUERY}
+    kept = None if keep is None else keep.detach().cpu().bool()[:, qsel.cpu()]  # [b nq]
+    if kept is not None:  # only the rows kept in some text
+        cols = kept.any(0).nonzero().flatten()
+        qsel, cand, cand_ns = qsel[cols.to(device)], cand[cols.to(device)], cand_ns[cols.to(device)]
+        n_src, n_src_ns, kept = n_src[cols.to(device)], n_src_ns[cols.to(device)], kept[:, cols]
+    else:
+        cols = torch.arange(len(queries))
     step = b if batch_chunk is None else max(1, int(batch_chunk))
     for b0 in range(0, b, step):
         sl = slice(b0, min(b, b0 + step))
+        dropped = None if kept is None else ~kept[sl][:, None, :].to(device)  # [b 1 nq]
         pat, val = pattern[sl][:, :, qsel].to(dtype), v[sl].to(dtype)
         r_top = source_ranks(pat, cand)
         r_ns = source_ranks(pat, cand_ns)
         r_rand = [random_ranks(pat.shape, cand, gen, device) for _ in range(n_random)]
         for t, n in enumerate(progress(ns, desc="N", enabled=verbose)):
             undefined = (n_src < n)[None, None, :]
+            if dropped is not None:
+                undefined = undefined | dropped
             ranks = _Ranks(r_top, r_ns, r_rand, cand, cand_ns, sinks, sink_mask)
             res = _selection_at_n(pat, val, ranks, n, params, metric=metric, dtype=dtype)
             res["f_nosink"] = torch.where((n_src_ns < n)[None, None, :], nan, res["f_nosink"])
             for name, val_t in res.items():
-                out[name][sl, ..., t] = torch.where(undefined, nan, val_t).float().cpu()
+                out[name][sl, :, cols, t] = torch.where(undefined, nan, val_t).float().cpu()
     par = {} if params is None else {name: t.float().cpu() for name, t in params.as_dict().items()}
     return {"per_query": out, "params": par, "queries": queries}
 
@@ -281,11 +302,27 @@ class SelectionResult(Result):
     basis: str = "as loaded"
     model_name: str = ""
     modified: Bool[Tensor, "batch layer head_index query_pos"] | None = None
+    kept: Bool[Tensor, "batch query_pos"] | None = None
 
     @property
     def modified_heads(self) -> list[tuple[int, int]]:
         """``(layer, head)`` pairs whose ``z`` an earlier hook changed at some analysed query."""
         return modified_pairs(self.modified, self.layers)
+
+    @property
+    def n_analysed(self) -> int:
+        """The analysed (text, query) pairs: real queries of each text kept by ``queries=`` (``kept``), never
+        padding; every (text, query) pair of the query axis for a result without ``kept``."""
+        if self.kept is not None:
+            return int(self.kept.sum())
+        return int(self.per_query["f_top"].shape[0]) * len(self.queries)
+
+    def _queries_per_text(self) -> int | list[int]:
+        """Analysed queries per text: one number when every text has as many, else one per text."""
+        if self.kept is None:
+            return len(self.queries)
+        counts = [int(n) for n in self.kept.sum(-1).tolist()]
+        return counts[0] if len(set(counts)) == 1 else counts
 
     def to_frame(self, *, tol: float = 1e-6) -> pd.DataFrame:
         """One row per ``(layer, head, N)``; means over the batch and the queries where defined.
@@ -385,8 +422,9 @@ class SelectionResult(Result):
     def summary(self, *, small_n: int = 4) -> dict[str, Any]:
         """The headline numbers, JSON-serialisable (NaN where nothing is defined).
 
-        Sizes: ``n_layers``, ``n_heads`` (per layer), ``ns``, ``n_texts``, ``queries_per_text``, ``n_queries``
-        (analysed (text, query) pairs per head), ``windows`` (``[n_texts, n_pos]``), ``n_random``,
+        Sizes: ``n_layers``, ``n_heads`` (per layer), ``ns``, ``n_texts``, ``queries_per_text`` (one number, or
+        one per text with padding or ``queries=``), ``n_queries`` (analysed (text, query) pairs per head, real
+        kept queries only: :attr:`n_analysed`), ``windows`` (``[n_texts, n_pos]``), ``n_random``,
         ``projected``, ``sink_positions``. Over the :meth:`to_frame` rows with ``N <= small_n``: the means
         ``f_top``, ``f_random``, ``f_gap``; over the rows where both are defined: the means ``f_top_sink_in``,
         ``f_nosink_sink_in``; the sums ``cert_violations``, ``bound_violations``; ``regime_share`` (share of
@@ -406,8 +444,8 @@ class SelectionResult(Result):
             "n_heads": int(self.per_query["f_top"].shape[2]),
             "ns": list(self.ns),
             "n_texts": n_texts,
-            "queries_per_text": len(self.queries),
-            "n_queries": n_texts * len(self.queries),
+            "queries_per_text": self._queries_per_text(),
+            "n_queries": self.n_analysed,
             "windows": [n_texts, int(self.queries[-1]) + 1],
             "n_random": int(self.n_random),
             "projected": bool(self.projected),
@@ -482,8 +520,13 @@ class SelectionCollector(Collector):
         dtype: torch.dtype = torch.float32,
         batch_chunk: int | None = 2,
         verbose: bool = False,
+        queries: Queries = None,
     ) -> None:
         super().__init__(model, layers)
+        self.queries = queries
+        self._offset: dict[int, int] = {}
+        self._kept: list[Tensor] = []
+        self._starts: list[Tensor] = []  # each batch's first real positions (left padding)
         self.ns = check_ns(ns)
         if n_random < 0:
             raise ValueError(f"n_random must be >= 0, got {n_random}")
@@ -522,12 +565,27 @@ class SelectionCollector(Collector):
         if gen is None:
             gen = torch.Generator(device=acts.pattern.device).manual_seed(self.seed * 1_000_003 + acts.layer)
             self._generators[acts.layer] = gen
+        offset = self._offset.get(acts.layer, 0)
+        self._offset[acts.layer] = offset + int(acts.pattern.shape[0])
         with torch.no_grad():
+            al = align_texts(acts, self.queries, offset)  # each text at the start of its row
+            padded = acts.key_mask is not None
+            keep = al.keep & al.real
             done = layer_selection(
-                acts.pattern, acts.v, W_O=acts.W_O, verbose=self.verbose, generator=gen, **self.kwargs
+                al.acts.pattern,
+                al.acts.v,
+                W_O=acts.W_O,
+                verbose=self.verbose,
+                generator=gen,
+                keep=None if bool(keep.all()) else keep,
+                real=al.real if padded else None,
+                **self.kwargs,
             )
             queries = torch.tensor(done["queries"], dtype=torch.long)
-            mod = acts.modified
+            if acts.layer == self.layers[0]:
+                self._kept.append(keep[:, queries])
+                self._starts.append(text_spans(acts.key_mask, *keep.shape)[0])
+            mod = al.acts.modified
             done["modified"] = (
                 torch.zeros((*acts.pattern.shape[:2], len(queries)), dtype=torch.bool)
                 if mod is None
@@ -555,7 +613,7 @@ class SelectionCollector(Collector):
         return SelectionResult(
             layers=list(self.layers),
             ns=list(self.ns),
-            tokens=tokens,
+            tokens=texts_first(tokens, self._starts),  # positions inside each text, as the query axis
             queries=list(self._done[self.layers[0]][0]["queries"]),
             per_query=per_query,
             params=params,
@@ -566,6 +624,7 @@ class SelectionCollector(Collector):
             modified=torch.stack(
                 [torch.cat([d["modified"] for d in self._done[la]]) for la in self.layers], dim=1
             ),
+            kept=torch.cat(self._kept) if self._kept else None,
         )
 
 
@@ -578,6 +637,8 @@ def token_selection(
     extra_hooks: Sequence[FwdHook] = (),
     verbose: bool = False,
     dtype: torch.dtype = torch.float32,
+    attention_mask: Tensor | None = None,
+    queries: Queries = None,
     **kwargs: Any,
 ) -> SelectionResult:
     """Token-selection geometry of every head of ``layers``, all texts in one forward pass.
@@ -591,6 +652,12 @@ def token_selection(
         verbose: progress over ``N`` inside each layer.
         dtype: the precision of distances, scores and bounds, ``float32`` by default; ``torch.float64`` gives
             (near-)exact ``F_N`` where distances tie (see :func:`layer_selection`).
+        attention_mask: ``[batch, pos]``, 1 at real tokens, 0 at padding (left or right); by default the
+            padding of a list of texts (the tokenizer's ``padding_side``). Padding is never a query, a source
+            or a sink; each text's per-query numbers are those of the text run alone, at positions inside it.
+        queries: the queries analysed (:func:`mechgeom.hooks.select_queries`: positions inside each text,
+            ``-1`` its last token; a slice; a boolean mask); ``None`` is every real query. Only their rows are
+            computed; the bound's parameters are still fitted on every real token.
         **kwargs: the options of :class:`SelectionCollector` (``projected``, ``ns``, ``sink_positions``,
             ``n_random``, ``seed``, ``bound``, ``query_stride``, ``batch_chunk``).
 
@@ -599,15 +666,17 @@ def token_selection(
         why they run in one pass.
     """
     check_dtype(dtype)
-    col = SelectionCollector(model, layers, dtype=dtype, verbose=verbose, **kwargs)
+    col = SelectionCollector(model, layers, dtype=dtype, verbose=verbose, queries=queries, **kwargs)
     sinks = col.kwargs["sink_positions"]
     what = "token selection (a query after the sinks)"
     min_pos = max(sinks, default=0) + 2
     n_texts = 1
     if cache is None and tokens_or_text is not None:
-        tokens = to_tokens(model, tokens_or_text, min_pos=min_pos, what=what)
+        tokens, mask = to_batch(
+            model, tokens_or_text, attention_mask=attention_mask, min_pos=min_pos, what=what
+        )
         check_sink_positions(sinks, tokens.shape[1])
-        tokens_or_text, n_texts = tokens, tokens.shape[0]
+        tokens_or_text, n_texts, attention_mask = tokens, tokens.shape[0], mask
     return run_collector(  # type: ignore[no-any-return]
         model,
         tokens_or_text,
@@ -617,6 +686,7 @@ def token_selection(
         batch_size=n_texts,
         min_pos=min_pos,
         what=what,
+        attention_mask=attention_mask,
     )
 
 

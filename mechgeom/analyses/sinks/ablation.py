@@ -38,7 +38,7 @@ from mechgeom.hooks import (
     resolve_sinks,
     sink_mask,
     sink_value_hooks,
-    to_tokens,
+    unpadded_tokens,
 )
 from mechgeom.typing import Float, Tensor, Tokens
 
@@ -208,9 +208,12 @@ def sink_ablation(
     batch_size: int = 8,
     clean: SinkAblationResult | None = None,
     verbose: bool = False,
+    attention_mask: Tensor | None = None,
 ) -> SinkAblationResult:
     """Ablate the sink value (:func:`sink_value_hooks`) in ``layers`` × ``heads`` (default: all of them,
-    at once) on ``tokens_or_text`` (text or token ids, validated by :func:`mechgeom.hooks.to_tokens`)
+    at once) on ``tokens_or_text`` (text or token ids, validated by :func:`mechgeom.hooks.unpadded_tokens`:
+    texts of one length; a padded batch or an ``attention_mask`` with 0s is refused, since the ablation acts
+    at the same positions of every text)
     and, as a control, the value of one random non-sink position per text
     (:func:`random_control_positions` with ``seed``) in the same layers and heads with the same mode.
 
@@ -218,7 +221,7 @@ def sink_ablation(
     (``mechgeom.analyses.scoring.text_nll``), the head-output norms and the cone cosines. ``clean`` reuses
     the clean pass of an earlier result on the same tokens and sink set (for per-layer sweeps).
     """
-    tokens = to_tokens(model, tokens_or_text)
+    tokens = unpadded_tokens(model, tokens_or_text, what="sink_ablation", attention_mask=attention_mask)
     n, pos = tokens.shape
     sinks = resolve_sinks(sink_positions, pos)
     layer_list = resolve_layers(model, layers)

@@ -31,6 +31,7 @@ from mechgeom.analyses.contribution import LayerGeometry
 from mechgeom.hooks import (
     LayerActivations,
     LayerCollector,
+    Queries,
     TokensOrText,
     check_index,
     check_indices,
@@ -38,9 +39,10 @@ from mechgeom.hooks import (
     resolve_layers,
     resolve_sinks,
     run_hooks,
+    select_queries,
     sink_mask,
     sink_mass_hooks,
-    to_tokens,
+    unpadded_tokens,
 )
 from mechgeom.maths import wo_gram
 from mechgeom.typing import Bool, Float, Tensor, Tokens
@@ -121,9 +123,14 @@ def query_terms(
 ) -> dict[str, Tensor]:
     """The per-query tensors of :class:`ConvexityTerms` for one layer, ``[batch, head, q]``: ``sink_mass``,
     ``sq_sink``, ``cross``, ``sq_mean`` (:func:`convexity_terms`, float64, NaN outside ``Q``) and
-    ``modified`` (the heads whose ``z`` an earlier hook changed; all False without one)."""
-    sq_sink, cross, sq_mean, sink_mass = convexity_terms(geo, sinks, gram=gram)
+    ``modified`` (the heads whose ``z`` an earlier hook changed; all False without one). ``geo`` may be a
+    :class:`~mechgeom.analyses.sinks.geometry.QueryRows` (some query rows only, at positions ``geo.rows``):
+    the terms are then those rows' (``q = len(rows)``)."""
+    sq_sink, cross, sq_mean, sink_mass = convexity_terms(geo, sinks, gram=gram)  # type: ignore[arg-type]
     qmask = query_mask(sinks, geo.pattern.shape[-1], geo.pattern.device, causal=geo.causal)
+    rows = getattr(geo, "rows", None)
+    if rows is not None:
+        qmask = qmask[rows.to(qmask.device)]
 
     def nan_out(x: Tensor) -> Tensor:  # NaN outside Q
         return torch.where(qmask, x, torch.full_like(x, torch.nan))
@@ -183,12 +190,17 @@ def convexity_by_intervention(
     layer: int,
     heads: int | Sequence[int] | None = None,
     sink_positions: int | Sequence[int] | None = None,
+    attention_mask: Tensor | None = None,
 ) -> Float[Tensor, "grid batch head q"]:
     """The convexity curve measured by intervention: for each ``s``, one pass with
     :func:`sink_mass_hooks` on ``layer`` and ``‖z'[i,h] @ W_O[h]‖`` read from the same layer's
     ``hook_z`` (float64 norm of the float32 output). Heads outside ``heads`` keep their clean output;
-    queries outside ``Q`` are NaN. Compare with :meth:`SinkResult.norm_curve`."""
-    tokens = to_tokens(model, tokens_or_text)
+    queries outside ``Q`` are NaN. Compare with :meth:`SinkResult.norm_curve`. Texts of one length: a padded
+    batch (or an ``attention_mask`` with 0s) is refused, since the intervention acts at the same positions of
+    every text (:func:`mechgeom.hooks.unpadded_tokens`)."""
+    tokens = unpadded_tokens(
+        model, tokens_or_text, what="convexity_by_intervention", attention_mask=attention_mask
+    )
     layer = resolve_layers(model, layer)[0]
     sinks = resolve_sinks(sink_positions, tokens.shape[1])
     out = []
@@ -266,31 +278,46 @@ class ConvexityTerms:
         return torch.where(best > 0, self._norm_at(self.sink_mass) / best.clamp_min(1e-300), torch.nan)
 
     def query_frame(
-        self, layers: Sequence[int] | None = None, heads: Sequence[int] | None = None
+        self,
+        layers: Sequence[int] | None = None,
+        heads: Sequence[int] | None = None,
+        *,
+        queries: Queries = None,
     ) -> pd.DataFrame:
         """One row per (text, layer, head, query in ``Q``): ``sink_mass`` (measured ``s_i``), ``s_star``,
         ``head_out_norm``, ``sq_sink``, ``cross``, ``sq_mean``, ``modified``. Filters are checked: a layer
-        that was not analysed or a head out of range raises ``IndexError`` naming the valid ones."""
+        that was not analysed or a head out of range raises ``IndexError`` naming the valid ones.
+
+        Only real, kept queries have rows (padding and queries left out by ``queries=`` have none); ``query``
+        is the position inside the text. ``queries`` keeps some of them (:func:`mechgeom.hooks.select_queries`:
+        positions inside each text, ``-1`` its last token, a slice, a boolean mask)."""
         l_sel = self.layers if layers is None else ([layers] if isinstance(layers, int) else list(layers))
         for layer in l_sel:
             self.layer_index(layer)
         h_sel = check_indices(heads, self.n_heads, "head")
         st, norm = self.s_star(), self.head_out_norm()
-        q = self.sink_mass.shape[-1]
-        queries = np.arange(max(self.sink_positions) + 1, q)
+        n_texts, q = int(self.sink_mass.shape[0]), int(self.sink_mass.shape[-1])
+        lengths = getattr(self, "extras", {}).get("lengths") or [q] * n_texts
+        real = torch.arange(q)[None, :] < torch.tensor(lengths)[:, None]
+        chosen = select_queries(queries, None if bool(real.all()) else real, n_texts, q)
+        positions = np.arange(q)  # those outside Q (NaN) are dropped below
         frames = []
         for layer in l_sel:
             li = self.layer_index(layer)
             for h in h_sel:
                 for b in range(self.sink_mass.shape[0]):
-                    sl = (b, li, h, torch.as_tensor(queries, dtype=torch.long))
+                    at = torch.as_tensor(positions, dtype=torch.long)
+                    ok = ~torch.isnan(self.sink_mass[b, li, h, at]) & chosen[b, at]
+                    at = at[ok]  # real, kept queries only
+                    sl = (b, li, h, at)
+                    queries_b = at.numpy()
                     frames.append(
                         pd.DataFrame(
                             {
                                 "text": b,
                                 "layer": layer,
                                 "head": h,
-                                "query": queries,
+                                "query": queries_b,
                                 "sink_mass": self.sink_mass[sl].numpy(),
                                 "s_star": st[sl].numpy(),
                                 "head_out_norm": norm[sl].numpy(),
@@ -298,7 +325,7 @@ class ConvexityTerms:
                                 "cross": self.cross[sl].numpy(),
                                 "sq_mean": self.sq_mean[sl].numpy(),
                                 "modified": (
-                                    np.zeros(len(queries), dtype=bool)
+                                    np.zeros(len(queries_b), dtype=bool)
                                     if self.modified is None
                                     else self.modified[sl].numpy()
                                 ),
@@ -460,15 +487,18 @@ def convexity_check(
     stats: ConvexityTerms | None = None,
     sink_positions: int | Sequence[int] | None = None,
     verbose: bool = False,
+    attention_mask: Tensor | None = None,
 ) -> ConvexityCheck:
     """Measured ``‖o(s)‖`` (:func:`convexity_by_intervention`, one head at a time) against the closed
     form ``stats.norm_curve(s_values)`` for each ``(layer, head)`` of ``heads``.
 
     ``stats`` are the sink statistics of the same texts (a :class:`mechgeom.analyses.sinks.SinkResult`
     or any :class:`ConvexityTerms`); without them the :class:`ConvexityCurves` of the layers of ``heads``
-    are computed. ``sink_positions`` default to those of ``stats`` and must agree with them.
+    are computed. ``sink_positions`` default to those of ``stats`` and must agree with them. Texts of one
+    length: a padded batch (or an ``attention_mask`` with 0s) is refused, as by
+    :func:`convexity_by_intervention`.
     """
-    tokens = to_tokens(model, tokens_or_text)
+    tokens = unpadded_tokens(model, tokens_or_text, what="convexity_check", attention_mask=attention_mask)
     pairs = [(int(layer), int(head)) for layer, head in heads]
     if not pairs:
         raise ValueError("heads is empty; give (layer, head) pairs")

@@ -9,11 +9,12 @@ The statistics are those of :mod:`mechgeom.analyses.sinks.statistics`, with two 
 
 - **Queries.** Every query sees every key, so ``Q`` is every position (the sinks' own queries included),
   and the non-sink tokens are every ``j ∉ S`` (no ``j <= i``).
-- **Padding.** Texts are analysed without padding: they are grouped by length and sink set (equal within a
-  group), each group in batches of ``batch_size`` texts. The per-query tensors of the merged
-  :class:`~mechgeom.analyses.sinks.SinkResult` are NaN beyond each text's length (as outside ``Q``), its
-  texts are in the order given, and ``sink_positions`` holds the names (or positions) as given, in the order
-  of their positions; ``extras["sink_positions_per_text"]`` holds the resolved positions.
+- **Padding.** Texts are analysed without padding (left or right padding is removed first): they are
+  grouped by length and sink set (equal within a group), each group in batches of ``batch_size`` texts. The
+  per-query tensors of the merged :class:`~mechgeom.analyses.sinks.SinkResult` are NaN beyond each text's
+  length (as outside ``Q``), positions are inside each text, its texts are in the order given, and
+  ``sink_positions`` holds the names (or positions) as given, in the order of their positions;
+  ``extras["sink_positions_per_text"]`` holds the resolved positions.
 """
 
 from __future__ import annotations
@@ -25,7 +26,15 @@ import torch
 
 from mechgeom.analyses.base import collect
 from mechgeom.analyses.sinks.geometry import SinkCollector, SinkResult
-from mechgeom.hooks import FwdHook, TokensOrText, padding_mask, sink_positions_per_text, to_tokens
+from mechgeom.hooks import (
+    FwdHook,
+    Queries,
+    TokensOrText,
+    select_queries,
+    sink_positions_per_text,
+    text_spans,
+    to_batch,
+)
 from mechgeom.typing import Tensor
 
 __all__ = [
@@ -56,29 +65,36 @@ def encoder_sink_statistics(
     extra_hooks: Sequence[FwdHook] = (),
     attention_mask: Tensor | None = None,
     verbose: bool = False,
+    queries: Queries = None,
 ) -> SinkResult:
     """:func:`~mechgeom.analyses.sinks.sink_statistics` on an encoder: sink sets resolved per text (names
     such as ``"[CLS]"``, ``"[SEP]"``), texts grouped by length and sink set, no padding in any pass.
 
-    ``attention_mask`` (``[batch, pos]``, 1 = real) marks padding in ``tokens``; by default the tokenizer's
-    ``[PAD]`` (:func:`mechgeom.hooks.padding_mask`).
+    ``attention_mask`` (``[batch, pos]``, 1 = real) marks padding in ``tokens``, on the left or the right of
+    each text; by default the tokenizer's ``[PAD]`` (:func:`mechgeom.hooks.padding_mask`). ``queries`` keeps
+    some queries (:func:`mechgeom.hooks.select_queries`, positions inside each text).
     """
     if int(batch_size) < 1:
         raise ValueError(f"batch_size must be at least 1, got {batch_size}")
-    tokens = to_tokens(model, tokens_or_text, encoders=True)
-    mask = padding_mask(model, tokens) if attention_mask is None else attention_mask.bool()
-    lengths = [int(tokens.shape[1])] * int(tokens.shape[0]) if mask is None else mask.sum(-1).tolist()
-    if mask is not None and not all(bool(mask[b, :n].all()) for b, n in enumerate(lengths)):
-        raise ValueError("padding must be on the right of each text (real tokens first)")
-    texts = [tokens[b, :n] for b, n in enumerate(lengths)]
-    per_text = sink_positions_per_text(model, tokens, sink_positions, lengths)
+    tokens, mask = to_batch(model, tokens_or_text, attention_mask=attention_mask, encoders=True)
+    n_texts, width = int(tokens.shape[0]), int(tokens.shape[1])
+    starts, lens = text_spans(mask, n_texts, width)
+    lengths = [int(n) for n in lens.tolist()]
+    texts = [tokens[b, int(starts[b]) : int(starts[b]) + n] for b, n in enumerate(lengths)]
+    keep = select_queries(queries, mask, n_texts, width)
+    kept = [keep[b, int(starts[b]) : int(starts[b]) + n] for b, n in enumerate(lengths)]
+    aligned = torch.stack(
+        [torch.nn.functional.pad(t, (0, width - len(t)), value=_pad_id(model)) for t in texts]
+    )
+    per_text = sink_positions_per_text(model, aligned, sink_positions, lengths)
     labels = _sink_labels(sink_positions, texts, per_text, model)
     groups: dict[tuple[int, tuple[int, ...]], list[int]] = {}
     for b, (n, pos) in enumerate(zip(lengths, per_text, strict=True)):
         groups.setdefault((n, tuple(pos)), []).append(b)
     parts = []
     for (_, group_pos), idx in groups.items():
-        col = SinkCollector(model, layers, sink_positions=list(group_pos))
+        group_keep = torch.stack([kept[b] for b in idx])
+        col = SinkCollector(model, layers, sink_positions=list(group_pos), queries=group_keep)
         group_tokens = torch.stack([texts[b] for b in idx])
         res = collect(
             model,
@@ -93,6 +109,7 @@ def encoder_sink_statistics(
     merged = merge_sink_results(parts, n_texts=len(texts), pad_id=_pad_id(model))
     merged.sink_positions = labels
     merged.extras["sink_positions_per_text"] = per_text
+    merged.extras["lengths"] = lengths
     return merged
 
 

@@ -21,25 +21,32 @@ from mechgeom.analyses.contribution import LayerGeometry
 from mechgeom.analyses.sinks.convexity import ConvexityTerms, query_terms, sink_mean_cos
 from mechgeom.hooks import (
     LayerActivations,
+    Queries,
+    SinkPositionError,
+    batch_queries,
     masked_mean,
     modified_pairs,
     n_kv_heads,
     query_mask,
     resolve_sinks,
     sink_mask,
+    text_spans,
+    texts_first,
     token_strings,
 )
 from mechgeom.maths import wo_gram
-from mechgeom.typing import Bool, Float, Pattern, Tensor, Tokens
+from mechgeom.typing import Bool, Float, Int, Pattern, Tensor, Tokens
 
 __all__ = [
     "FACTORS",
     "GROUPS",
+    "QueryRows",
     "SinkCollector",
     "SinkResult",
     "describe_values",
     "factor_moments",
     "factor_shares_from_moments",
+    "query_rows_mask",
     "sink_norm_ratio",
     "sink_rate",
     "sink_token_cos",
@@ -57,20 +64,34 @@ _MOMENTS = ("n", "x_alpha", "x_ratio", "x_cos", "L", "x_alpha_L", "x_ratio_L", "
 
 
 def sink_rate(
-    pattern: Pattern, sinks: Sequence[int], *, causal: bool = True
+    pattern: Pattern,
+    sinks: Sequence[int],
+    *,
+    causal: bool = True,
+    rows: Int[Tensor, " q"] | None = None,
 ) -> tuple[Float[Tensor, "batch head"], Float[Tensor, "batch head sink"]]:
     """Sink rate of a head: ``mean_{i>=1} alpha[h,i,0]``.
 
     With a sink set: ``mean_{i in Q} sum_{s in S} alpha[h,i,s]`` (first output) and the mass of each
     sink position ``mean_{i in Q} alpha[h,i,s]`` (second output). NaN when ``Q`` is empty. On an encoder
-    (``causal=False``) ``Q`` is every query.
+    (``causal=False``) ``Q`` is every query. ``rows`` (the positions of ``pattern``'s query rows, for a
+    pattern of some rows only, ``[batch, head, len(rows), k]``) restricts the means to those queries.
     """
-    pos = pattern.shape[-1]
-    qmask = query_mask(sinks, pos, pattern.device, causal=causal)
+    qmask = query_rows_mask(sinks, pattern, rows, causal=causal)
     each = pattern[..., list(sinks)]  # [batch head q sink]
     per_sink = masked_mean(each, qmask[None, None, :, None].expand_as(each), dim=2)  # [batch head sink]
     total = each.sum(-1)  # [batch head q]
     return masked_mean(total, qmask[None, None, :].expand_as(total), dim=2), per_sink
+
+
+def query_rows_mask(
+    sinks: Sequence[int], pattern: Tensor, rows: Tensor | None, *, causal: bool = True
+) -> Bool[Tensor, " q"]:
+    """``Q`` on the query rows of ``pattern``: :func:`mechgeom.hooks.query_mask` of the full sequence, or of
+    the positions ``rows`` where ``pattern`` holds some query rows only."""
+    pos = pattern.shape[-1]
+    full = query_mask(sinks, pos, pattern.device, causal=causal)
+    return full if rows is None else full[rows.to(pattern.device)]
 
 
 def sink_norm_ratio(
@@ -108,11 +129,12 @@ def sink_token_cos(
     return masked_mean(cos, nonsink.expand_as(cos), dim=-1)
 
 
-def factor_moments(geo: LayerGeometry, sinks: Sequence[int]) -> Float[Tensor, "head group 9"]:
+def factor_moments(geo: LayerGeometry | QueryRows, sinks: Sequence[int]) -> Float[Tensor, "head group 9"]:
     """Moment sums of the factor decomposition ``log|c| = log alpha + log ratio + log|cos|`` (float64).
 
     ``c``, ``ratio = ‖vt[j,h]‖/‖o[i,h]‖`` and ``cos = cos(o[i,h], vt[j,h])`` come from
-    :class:`LayerGeometry` (``contribution``, ``factor_norm_ratio``, ``factor_cos``). Groups: ``sink``
+    :class:`LayerGeometry` (``contribution``, ``factor_norm_ratio``, ``factor_cos``), or from
+    :class:`QueryRows` for some queries only. Groups: ``sink``
     = entries ``(b, i in Q, j in S)``; ``tail`` = ``(b, i in Q, j ∉ S, j <= i)`` (any ``j`` on an encoder). Entries where a log is
     not finite (``alpha = 0``, ``cos = 0``, ``‖o‖ = 0``) are dropped. With ``L = log|c|`` the last axis
     holds the sums ``n, ΣX_alpha, ΣX_ratio, ΣX_cos, ΣL, ΣX_alpha·L, ΣX_ratio·L, ΣX_cos·L, ΣL²``; they add
@@ -125,10 +147,12 @@ def factor_moments(geo: LayerGeometry, sinks: Sequence[int]) -> Float[Tensor, "h
     for x in xs:
         finite &= torch.isfinite(x)
     is_sink = sink_mask(sinks, pos, big_l.device)
-    qmask = query_mask(sinks, pos, big_l.device, causal=geo.causal)
-    causal = torch.ones(pos, pos, dtype=torch.bool, device=big_l.device)
+    rows = getattr(geo, "rows", None)
+    qpos = torch.arange(geo.pattern.shape[-2], device=big_l.device) if rows is None else rows.to(big_l.device)
+    qmask = query_rows_mask(sinks, geo.pattern, rows, causal=geo.causal)
+    causal = torch.ones(len(qpos), pos, dtype=torch.bool, device=big_l.device)
     if geo.causal:
-        causal = causal.tril()
+        causal = torch.arange(pos, device=big_l.device)[None, :] <= qpos[:, None]
     groups = (qmask[:, None] & is_sink[None, :], qmask[:, None] & ~is_sink[None, :] & causal)  # [q k]
     out = []
     for group in groups:
@@ -142,6 +166,50 @@ def factor_moments(geo: LayerGeometry, sinks: Sequence[int]) -> Float[Tensor, "h
         cols = [total(keep), *(total(x) for x in xk), total(lk), *(total(x * lk) for x in xk), total(lk * lk)]
         out.append(torch.stack(cols, dim=-1))  # [h 9]
     return torch.stack(out, dim=1)  # [h group 9]
+
+
+class QueryRows:
+    """The per-query side of a :class:`LayerGeometry` on some query rows only (``queries=``): the cost is
+    that of the kept rows, ``O(k)`` per kept query and head, never ``O(q·k)``.
+
+    ``rows`` are the kept positions (sorted); ``pattern`` is ``[batch, head, len(rows), k]``, ``z`` and
+    ``modified`` those rows; ``v``, ``W_O``, ``vt_norm`` are the full sequence's. The factor metrics follow
+    :class:`LayerGeometry`'s definitions (``c = <o_i, alpha vt_j> / ‖o_i‖²``, ``ratio = ‖vt_j‖ / ‖o_i‖``,
+    ``cos = cos(o_i, vt_j)``, 0 where ``‖vt_j‖ = 0``), NaN where ``‖o_i‖ = 0`` or at a modified query.
+    """
+
+    def __init__(self, geo: LayerGeometry, rows: Int[Tensor, " r"]) -> None:
+        dev = geo.pattern.device
+        self.rows = rows.to(dev)
+        self.pattern = geo.pattern[:, :, self.rows]
+        self.v = geo.v
+        self.z = geo.z[:, self.rows]
+        self.W_O = geo.W_O
+        self.causal = geo.causal
+        self.modified = None if geo.modified is None else geo.modified[:, :, self.rows]
+        self.vt_norm = geo.vt_norm  # [b h k]
+        u = einops.einsum(self.z, geo.wo_gram, "b q h d, h d e -> b q h e")  # o_i @ W_O[h].T
+        self._out_norm = einops.einsum(self.z, u, "b q h d, b q h d -> b h q").clamp_min(0).sqrt()
+        self._dot = einops.einsum(u, self.v, "b q h e, b k h e -> b h q k")  # <o_i, vt_j>
+        bad = self._out_norm == 0
+        if self.modified is not None:
+            bad = bad | self.modified
+        self._bad = bad[..., None]  # [b h q 1]
+
+    def _nan(self, x: Tensor) -> Tensor:
+        return torch.where(self._bad, torch.full_like(x, torch.nan), x)
+
+    def contribution(self) -> Tensor:
+        on = self._out_norm[..., None]
+        return self._nan(self.pattern * self._dot / torch.where(on > 0, on, 1) ** 2)
+
+    def factor_norm_ratio(self) -> Tensor:
+        on = self._out_norm[..., None]
+        return self._nan(self.vt_norm[:, :, None, :] / torch.where(on > 0, on, 1))
+
+    def factor_cos(self) -> Tensor:
+        den = self._out_norm[..., None] * self.vt_norm[:, :, None, :]
+        return self._nan(torch.where(den > 0, self._dot / torch.where(den > 0, den, 1), 0.0))
 
 
 def factor_shares_from_moments(
@@ -186,6 +254,10 @@ class SinkResult(ConvexityTerms, Result):
     those no longer make the head's output, and the factor moments leave such queries out (their
     ``c``, ratio and cosine are NaN, see :mod:`mechgeom.analyses.contribution.weights`).
     ``tokens [n, pos]`` and ``str_tokens`` (from the model's tokenizer) when the texts were given.
+
+    With padding, ``sink_positions``, the query axis and ``tokens`` are positions *inside each text* (each
+    text first, its padding after it; per-query tensors NaN there) and ``extras["lengths"]`` holds each
+    text's real tokens; padding is never a query, a source or a sink.
     """
 
     layers: list[int]
@@ -349,14 +421,26 @@ class SinkResult(ConvexityTerms, Result):
         return df
 
 
+#: The per-query entries of a collector's per-text statistics (``[n, head, q]``), NaN (False) where not kept.
+_PER_QUERY = ("sink_mass", "sq_sink", "cross", "sq_mean", "modified")
+
+
 class SinkCollector(Collector):
     """Reader hooks (via :class:`LayerCollector`) that compute the sink statistics layer by layer.
 
     Pass ``collector.fwd_hooks`` to ``run_with_hooks`` / ``model.hooks(...)`` for one or more forward
-    passes over equal-length batches (texts are appended in order), then call :meth:`result`.
+    passes (texts are appended in order), then call :meth:`result`.
+
+    **Padding** (``LayerActivations.key_mask``, left or right): each text is analysed on its real tokens
+    alone, so its statistics are those of the text run alone; ``sink_positions`` and the query axis of the
+    per-query tensors are positions *inside each text* (position 0 is its first real token), the per-query
+    tensors NaN beyond its length. **Queries** (``queries=``, :func:`mechgeom.hooks.select_queries`): only
+    the kept queries enter the per-query tensors, the query means and the factor moments, and only their
+    rows are computed (:class:`QueryRows`); the sink-value statistics (norm ratios, ``cos_sink_tokens``)
+    have no query axis and use every token of the text.
     """
 
-    supports_encoders = True  # unpadded batches (sink_statistics groups an encoder's texts by length)
+    supports_encoders = True  # each text on its real tokens (sink_statistics groups an encoder's texts)
 
     def __init__(
         self,
@@ -364,33 +448,84 @@ class SinkCollector(Collector):
         layers: int | Sequence[int] | None = None,
         *,
         sink_positions: int | Sequence[int] | None = None,
+        queries: Queries = None,
     ) -> None:
         super().__init__(model, layers)
         self.sinks = resolve_sinks(sink_positions)
+        self.queries = queries
         self._per_text: dict[int, list[dict[str, Tensor]]] = {la: [] for la in self.layers}
         self._moments: dict[int, Tensor] = {}
         self._grams: dict[int, Tensor] = {}  # float64 W_O Gram matrices, once per layer
+        self._offset: dict[int, int] = {}  # texts seen per layer (rows of a [n_texts, pos] queries mask)
+        self._starts: list[Tensor] = []  # each batch's first real positions (left padding), first layer
+        self._lengths: list[Tensor] = []  # each text's real tokens (extras["lengths"] of the result)
 
     def on_layer(self, acts: LayerActivations) -> None:
-        if acts.key_mask is not None:
-            raise ValueError("an encoder's padded batch: use sink_statistics, which groups texts by length")
+        batch, pos = int(acts.pattern.shape[0]), int(acts.pattern.shape[-1])
+        offset = self._offset.get(acts.layer, 0)
+        self._offset[acts.layer] = offset + batch
+        keep = batch_queries(self.queries, acts.key_mask, batch, pos, offset)  # [b pos], padded coordinates
+        starts, lengths = text_spans(acts.key_mask, batch, pos)
+        if acts.layer == self.layers[0]:
+            self._starts.append(starts)
+            self._lengths.append(lengths)
         with torch.no_grad():
-            geo = LayerGeometry.from_activations(acts)
             if acts.layer not in self._grams:
-                self._grams[acts.layer] = wo_gram(geo.W_O, dtype=torch.float64)
-            self._per_text[acts.layer].append(self._layer_stats(geo, self._grams[acts.layer]))
-            mom = factor_moments(geo, self.sinks).cpu()
-            prev = self._moments.get(acts.layer)
-            self._moments[acts.layer] = mom if prev is None else prev + mom
+                self._grams[acts.layer] = wo_gram(acts.W_O, dtype=torch.float64)
+            gram = self._grams[acts.layer]
+            if acts.key_mask is None and bool(keep.all()):  # the whole batch at once, as before
+                geo = LayerGeometry.from_activations(acts)
+                self._add(
+                    acts.layer, self._layer_stats(geo, gram, None, pos), factor_moments(geo, self.sinks)
+                )
+                return
+            for b in range(batch):  # each text on its real tokens: its numbers are those of the text alone
+                s, n = int(starts[b]), int(lengths[b])
+                if n <= max(self.sinks):
+                    raise SinkPositionError(
+                        f"text {offset + b} has {n} real token(s), so sink position(s) {self.sinks} (positions "
+                        f"inside each text, 0..{n - 1}) lie beyond it: give sinks inside the shortest text"
+                    )
+                geo = LayerGeometry(
+                    acts.pattern[b : b + 1, :, s : s + n, s : s + n],
+                    acts.v[b : b + 1, s : s + n],
+                    acts.z[b : b + 1, s : s + n],
+                    acts.W_O,
+                    modified=None if acts.modified is None else acts.modified[b : b + 1, :, s : s + n],
+                    causal=acts.causal,
+                )
+                kept = keep[b, s : s + n]
+                rows = None if bool(kept.all()) else kept.nonzero().flatten()
+                part: LayerGeometry | QueryRows = geo if rows is None else QueryRows(geo, rows)
+                stats = self._layer_stats(geo, gram, rows, pos)
+                self._add(acts.layer, stats, factor_moments(part, self.sinks))
 
-    def _layer_stats(self, geo: LayerGeometry, gram: Tensor) -> dict[str, Tensor]:
+    def _add(self, layer: int, stats: dict[str, Tensor], moments: Tensor) -> None:
+        self._per_text[layer].append(stats)
+        prev = self._moments.get(layer)
+        self._moments[layer] = moments.cpu() if prev is None else prev + moments.cpu()
+
+    def _layer_stats(
+        self, geo: LayerGeometry, gram: Tensor, rows: Tensor | None, width: int
+    ) -> dict[str, Tensor]:
+        """The statistics of ``geo`` (a batch, or one text on its real tokens); with ``rows`` only those
+        queries; the per-query tensors NaN-padded to ``width`` positions (text positions)."""
         pos = geo.pattern.shape[-1]
         sinks = resolve_sinks(self.sinks, pos)  # raises inside the hook: run_hooks removes the hooks
-        rate, rate_pos = sink_rate(geo.pattern, sinks, causal=geo.causal)
+        part: Any = geo if rows is None else QueryRows(geo, rows)
+        rate, rate_pos = sink_rate(part.pattern, sinks, causal=geo.causal, rows=rows)
         v_norm = einops.rearrange(geo.v.norm(dim=-1), "b k h -> b h k")
-        terms = query_terms(geo, sinks, gram=gram)  # [b h q] each, NaN outside Q
+        terms = query_terms(part, sinks, gram=gram)  # [b h q] each, NaN outside Q
         cos_q = sink_mean_cos(terms["sq_sink"], terms["cross"], terms["sq_mean"])
-        qmask = query_mask(sinks, pos, geo.pattern.device, causal=geo.causal)
+        qmask = query_rows_mask(sinks, geo.pattern, rows, causal=geo.causal)
+        if rows is not None or pos < width:  # the kept rows at their positions, NaN (False) elsewhere
+            at = torch.arange(pos, device=qmask.device) if rows is None else rows.to(qmask.device)
+            for key, t in terms.items():
+                full = torch.full(
+                    (*t.shape[:2], width), False if t.dtype == torch.bool else torch.nan, dtype=t.dtype
+                )
+                full[..., at.cpu()] = t.cpu()
+                terms[key] = full
         out = {
             "sink_rate": rate,
             "sink_rate_pos": rate_pos,
@@ -404,25 +539,31 @@ class SinkCollector(Collector):
 
     def build(self, tokens: Tokens | None) -> SinkResult:
         """The statistics of every text seen so far; ``tokens`` (those texts, in order) are kept with
-        their string tokens from the model's tokenizer."""
-        lengths = {t["sink_mass"].shape[-1] for la in self.layers for t in self._per_text[la]}
-        if len(lengths) > 1:
-            raise ValueError(
-                f"batches of different sequence lengths {sorted(lengths)}; use equal-length windows"
-            )
+        their string tokens from the model's tokenizer. Per-query tensors of passes of different lengths
+        are NaN-padded to the longest."""
+        width = max(t["sink_mass"].shape[-1] for la in self.layers for t in self._per_text[la])
+
+        def widen(k: str, t: Tensor) -> Tensor:
+            if k not in _PER_QUERY:
+                return t
+            fill: Any = False if t.dtype == torch.bool else float("nan")
+            return torch.nn.functional.pad(t, (0, width - t.shape[-1]), value=fill)
+
         keys = self._per_text[self.layers[0]][0].keys()
         stacked: dict[str, Any] = {
-            k: torch.stack([torch.cat([t[k] for t in self._per_text[la]]) for la in self.layers], dim=1)
+            k: torch.stack(
+                [torch.cat([widen(k, t[k]) for t in self._per_text[la]]) for la in self.layers], dim=1
+            )
             for k in keys
         }
+        extras: dict[str, Any] = {"lengths": torch.cat(self._lengths).tolist()} if self._lengths else {}
+        if tokens is not None and tokens.shape[-1] == width:  # left padding: tokens in text positions too
+            tokens = texts_first(tokens, self._starts)
         n_kv = n_kv_heads(self.model)
-        if tokens is not None and tokens.shape != (
-            stacked["sink_mass"].shape[0],
-            stacked["sink_mass"].shape[-1],
-        ):
+        if tokens is not None and tokens.shape != (stacked["sink_mass"].shape[0], width):
             raise ValueError(
                 f"tokens of shape {tuple(tokens.shape)} are not the texts collected "
-                f"({stacked['sink_mass'].shape[0]} x {stacked['sink_mass'].shape[-1]})"
+                f"({stacked['sink_mass'].shape[0]} x {width})"
             )
         return SinkResult(
             layers=list(self.layers),
@@ -432,6 +573,7 @@ class SinkCollector(Collector):
             model_name=self.model_name,
             tokens=tokens,
             str_tokens=token_strings(self.model, tokens),
+            extras=extras,
             **stacked,
         )
 

@@ -51,7 +51,8 @@ from mechgeom._deprecation import warn_deprecated
 from mechgeom.analyses.base import run_collector
 from mechgeom.analyses.sinks.encoder import encoder_sink_statistics
 from mechgeom.analyses.sinks.geometry import SinkCollector, SinkResult
-from mechgeom.hooks import FwdHook, TokensOrText, is_bidirectional
+from mechgeom.hooks import FwdHook, Queries, TokensOrText, is_bidirectional
+from mechgeom.typing import Tensor
 
 __all__ = [
     "sink_statistics",
@@ -71,6 +72,8 @@ def sink_statistics(
     verbose: bool = False,
     sink_positions: int | str | Sequence[int | str] | None = None,
     batch_size: int = 8,
+    attention_mask: Tensor | None = None,
+    queries: Queries = None,
 ) -> SinkResult:
     """Sink rate, norm ratios, anti-alignment, convexity terms and factor moments of every head of ``layers``.
 
@@ -83,16 +86,30 @@ def sink_statistics(
         cache: an ``ActivationCache`` with ``hook_pattern``, ``hook_v``, ``hook_z`` of ``layers``; nothing runs.
         extra_hooks: interventions run first in each pass.
         verbose: a progress bar over batches.
-        sink_positions: the sink set (default the first position).
+        sink_positions: the sink set, positions inside each text (default its first real token, wherever
+            padding put it).
         batch_size: texts per forward pass; the pass stops after the last analysed layer (no unembedding).
+        attention_mask: ``[batch, pos]``, 1 at real tokens, 0 at padding (left or right); by default the
+            padding of a list of texts (the tokenizer's ``padding_side``) or an encoder's ``[PAD]``. Padding is
+            never a query, a source or a sink: each text's statistics equal those of the text run alone.
+        queries: the queries kept (:func:`mechgeom.hooks.select_queries`: positions inside each text, ``-1``
+            its last token; a slice; a boolean mask); ``None`` keeps every real query. Only the kept queries
+            are computed and enter the per-query tensors, the query means and the factor moments.
 
     Returns:
         A :class:`~mechgeom.analyses.sinks.geometry.SinkResult`.
     """
     if cache is None and tokens_or_text is not None and is_bidirectional(model):
         run = partial(encoder_sink_statistics, layers=layers, sink_positions=sink_positions, verbose=verbose)
-        return run(model, tokens_or_text, batch_size=batch_size, extra_hooks=extra_hooks)
-    col = SinkCollector(model, layers, sink_positions=sink_positions)  # type: ignore[arg-type]  # names: above
+        return run(
+            model,
+            tokens_or_text,
+            batch_size=batch_size,
+            extra_hooks=extra_hooks,
+            attention_mask=attention_mask,
+            queries=queries,
+        )
+    col = SinkCollector(model, layers, sink_positions=sink_positions, queries=queries)  # type: ignore[arg-type]
     return run_collector(  # type: ignore[no-any-return]
         model,
         tokens_or_text,
@@ -102,6 +119,7 @@ def sink_statistics(
         batch_size=batch_size,
         verbose=verbose,
         desc="sinks",
+        attention_mask=attention_mask,
     )
 
 
