@@ -48,7 +48,7 @@ import torch
 from mechgeom._deprecation import warn_deprecated
 from mechgeom._progress import progress
 from mechgeom.analyses.base import Collector, Result, nothing_collected, run_collector
-from mechgeom.analyses.contribution.geometry import INTER_METRICS, INTRA_METRICS, LayerGeometry
+from mechgeom.analyses.contribution.geometry import INTER_METRICS, INTRA_METRICS, LayerGeometry, compute_dtype
 from mechgeom.analyses.contribution.stats import SUMMARY_METRICS, result_summary, special_token_frame
 from mechgeom.hooks import (
     FwdHook,
@@ -257,6 +257,9 @@ class ContributionCollector(Collector):
     always safe to keep. ``reuse_buffers=True`` (deprecated: the storage check recycles the same buffers)
     recycles unconditionally, so the callback must copy what it keeps.
 
+    **Precision.** The metrics are computed in float32 for a bfloat16 or float16 model (see "Half precision" in
+    :mod:`~mechgeom.analyses.contribution.geometry`) and returned in that dtype, or in ``out_dtype`` when given.
+
     >>> import torch
     >>> from transformer_lens.config import TransformerBridgeConfig
     >>> from transformer_lens.model_bridge import TransformerBridge
@@ -282,6 +285,7 @@ class ContributionCollector(Collector):
         on_layer: Callable[[int, dict[str, Any]], None] | None = None,
         store_device: str | torch.device = "cpu",
         reuse_buffers: bool = False,
+        out_dtype: torch.dtype | None = None,
     ) -> None:
         if reuse_buffers and on_layer is None:
             raise ValueError(
@@ -303,6 +307,9 @@ class ContributionCollector(Collector):
             )
         self.user_on_layer = on_layer
         self.store_device = torch.device(store_device)
+        #: The dtype of the metrics returned; ``None``: the dtype they are computed in (float32 for a bfloat16 or
+        #: float16 model, else the model's own; see "Half precision" in the geometry module).
+        self.out_dtype = out_dtype
         self.reuse_buffers = reuse_buffers
         self._intra: dict[int, dict[str, Tensor]] = {}
         self._inter: dict[int, dict[str, Tensor]] = {}
@@ -318,7 +325,7 @@ class ContributionCollector(Collector):
         """Where this layer's metrics are written: reused buffers, a slice of the result, or fresh memory."""
         B, H, Q, _ = acts.pattern.shape
         intra_metrics = [m for m in self.intra_metrics if m != "attention"]
-        dtype = acts.pattern.dtype
+        dtype = self._dtype(acts)
         if self.user_on_layer is not None:
             bufs = self._buffers
             p = acts.pattern
@@ -326,7 +333,7 @@ class ContributionCollector(Collector):
                 for m in names:
                     t = bufs[kind].get(m)
                     if t is None or t.shape != shape or t.dtype != dtype or t.device != p.device:
-                        bufs[kind][m] = p.new_empty(shape)
+                        bufs[kind][m] = p.new_empty(shape, dtype=dtype)
                         self._versions.pop((kind, m), None)
             return bufs
         if acts.pattern.device != self.store_device:
@@ -343,6 +350,10 @@ class ContributionCollector(Collector):
             self._intra, self._inter = {}, {}
         li = self.layers.index(acts.layer)
         return ({m: t[:, li] for m, t in store[0].items()}, {m: t[:, li] for m, t in store[1].items()})
+
+    def _dtype(self, acts: LayerActivations) -> torch.dtype:
+        """The dtype of this layer's metrics: ``out_dtype``, else the dtype they are computed in."""
+        return self.out_dtype or compute_dtype(acts.pattern.dtype)
 
     def _zeroed(self, out_intra: dict[str, Tensor], out_inter: dict[str, Tensor]) -> bool:
         """Whether every recycled buffer is exactly as this collector last wrote it (0 above the blocks)."""
@@ -380,18 +391,15 @@ class ContributionCollector(Collector):
                 out_inter=out_inter,
                 zeroed=self._zeroed(out_intra, out_inter),
             )
-            if "attention" in out_intra:
-                intra["attention"] = out_intra["attention"].copy_(intra["attention"])
-            intra = {m: t.to(self.store_device) for m, t in intra.items()}
-            inter = {m: t.to(self.store_device) for m, t in inter.items()}
+            dtype = self._dtype(acts)
+            intra = {m: t.to(self.store_device, dtype) for m, t in intra.items()}
+            inter = {m: t.to(self.store_device, dtype) for m, t in inter.items()}
             if geo.modified is None:
                 modified = torch.zeros(acts.pattern.shape[:3], dtype=torch.bool, device=self.store_device)
-                share = torch.zeros(
-                    acts.pattern.shape[:3], dtype=acts.pattern.dtype, device=self.store_device
-                )
+                share = torch.zeros(acts.pattern.shape[:3], dtype=dtype, device=self.store_device)
             else:
                 modified = geo.modified.to(self.store_device)
-                share = geo.modified_share.to(self.store_device)
+                share = geo.modified_share.to(self.store_device, dtype)
         if self.user_on_layer is not None:
             payload = {"intra": intra, "inter": inter, "modified": modified, "modified_share": share}
             del geo, intra, inter, out_intra, out_inter
@@ -470,6 +478,7 @@ def contribution_weights(
     intra: Sequence[str] | None = None,
     inter: Sequence[str] | None = None,
     attention_mask: Bool[Tensor, "batch pos"] | None = None,
+    out_dtype: torch.dtype | None = None,
 ) -> ContributionResult:
     """Contribution weights and baselines of every head of ``layers`` in one forward pass.
 
@@ -490,11 +499,15 @@ def contribution_weights(
             (left or right, the model's padding side) and an encoder's ``[PAD]`` ids
             (:func:`~mechgeom.hooks.to_batch`); padding is then neither a source nor a query (every metric
             is 0 in its rows and columns).
+        out_dtype: the dtype of the metrics returned. ``None``: the dtype they are computed in, float32 for a
+            bfloat16 or float16 model (its activations are read as they are and every metric is accumulated in
+            float32, see :mod:`~mechgeom.analyses.contribution.geometry`), else the model's own. E.g.
+            ``torch.bfloat16`` halves the memory of the result, at 8 significant bits.
 
     Returns:
         A :class:`ContributionResult`.
     """
-    col = ContributionCollector(model, layers, intra=intra, inter=inter)
+    col = ContributionCollector(model, layers, intra=intra, inter=inter, out_dtype=out_dtype)
     if cache is not None:
         return run_collector(  # type: ignore[no-any-return]
             model, tokens_or_text, col, cache=cache, extra_hooks=extra_hooks, attention_mask=attention_mask
