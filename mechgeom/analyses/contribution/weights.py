@@ -48,6 +48,7 @@ import torch
 from mechgeom._deprecation import warn_deprecated
 from mechgeom._progress import progress
 from mechgeom.analyses.base import Collector, Result, nothing_collected, run_collector
+from mechgeom.analyses.budget import contribution_budget
 from mechgeom.analyses.contribution.geometry import INTER_METRICS, INTRA_METRICS, LayerGeometry, compute_dtype
 from mechgeom.analyses.contribution.stats import SUMMARY_METRICS, result_summary, special_token_frame
 from mechgeom.hooks import (
@@ -479,6 +480,7 @@ def contribution_weights(
     inter: Sequence[str] | None = None,
     attention_mask: Bool[Tensor, "batch pos"] | None = None,
     out_dtype: torch.dtype | None = None,
+    memory_budget: float | None = None,
 ) -> ContributionResult:
     """Contribution weights and baselines of every head of ``layers`` in one forward pass.
 
@@ -503,18 +505,28 @@ def contribution_weights(
             bfloat16 or float16 model (its activations are read as they are and every metric is accumulated in
             float32, see :mod:`~mechgeom.analyses.contribution.geometry`), else the model's own. E.g.
             ``torch.bfloat16`` halves the memory of the result, at 8 significant bits.
+        memory_budget: bytes the outputs may take (``math.inf``: no check); ``None``: the default of
+            :mod:`mechgeom.analyses.budget` (50 % of the free memory where the result is kept). They are
+            estimated before the pass (``batch * layers * heads * q * k`` per intra-head metric, plus the
+            inter-head ones).
+
+    Raises:
+        MemoryBudgetError: The estimate is above the budget (nothing was run); the message gives it and the
+            ways out: ``queries=``, fewer metrics or layers, a streaming ``on_layer`` collector.
 
     Returns:
         A :class:`ContributionResult`.
     """
     col = ContributionCollector(model, layers, intra=intra, inter=inter, out_dtype=out_dtype)
     if cache is not None:
+        contribution_budget(col, cache=cache, memory_budget=memory_budget)
         return run_collector(  # type: ignore[no-any-return]
             model, tokens_or_text, col, cache=cache, extra_hooks=extra_hooks, attention_mask=attention_mask
         )
     if tokens_or_text is None:
         raise ValueError("give text or token ids to analyse, or cache= with the activations of a pass")
     tokens, mask = to_batch(model, tokens_or_text, attention_mask=attention_mask, encoders=True)
+    contribution_budget(col, tokens.shape, memory_budget=memory_budget)
     bar = _layer_bar(col.layers, verbose)
     col._after_layer = lambda _layer: next(bar, None)
     hooks = [*extra_hooks, *col.fwd_hooks]
