@@ -14,8 +14,12 @@ from reference_contribution import acts_of, assert_all_metrics_match, brute_forc
 
 from mechgeom._kernels import fused
 from mechgeom.analyses.contribution.geometry import INTER_METRICS, INTRA_METRICS, LayerGeometry
-from mechgeom.analyses.contribution.weights import ContributionCollector, contribution_weights
-from mechgeom.hooks import modified_mask
+from mechgeom.analyses.contribution.weights import (
+    ContributionCollector,
+    contribution_weights,
+    reconstruct_attn_out,
+)
+from mechgeom.hooks import LayerCollector, modified_mask
 from mechgeom.hooks.readers import MODIFIED_RTOL
 
 HALF = [torch.bfloat16, torch.float16]
@@ -179,3 +183,18 @@ def test_the_fused_sweep_reads_half_precision_like_the_plain_one(monkeypatch) ->
         if causal and not mod:
             assert_all_metrics_match(*got, brute_force(alpha, v, W), atol=1e-5)
     assert set(INTRA_METRICS) and set(INTER_METRICS)
+
+
+def test_reconstruct_attn_out_in_half_precision_is_float32_and_the_models_output_to_its_rounding(
+    half,
+) -> None:
+    model, tokens, _ = half
+    col = LayerCollector(model)
+    with model.hooks(fwd_hooks=col.fwd_hooks, reset_hooks_end=True):
+        _, cache = model.run_with_cache(tokens, names_filter=lambda n: n.endswith("hook_attn_out"))
+    for layer in range(model.cfg.n_layers):
+        got = reconstruct_attn_out(model, col.captured[layer])
+        want = cache[f"blocks.{layer}.hook_attn_out"]
+        assert got.dtype == torch.float32 and want.dtype == model.cfg.dtype
+        eps = torch.finfo(model.cfg.dtype).eps
+        torch.testing.assert_close(got, want.float(), atol=8 * eps * float(want.float().abs().max()), rtol=0)

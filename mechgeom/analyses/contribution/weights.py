@@ -565,5 +565,5 @@ def contribution_weights_from_cache(
 def reconstruct_attn_out(model: Any, acts: LayerActivations) -> Float[Tensor, "batch pos d_model"]:
     """``sum_h sum_j alpha[h,i,j] vt[j,h] + b_O``: what ``hook_attn_out`` should read."""
     geo = LayerGeometry.from_activations(acts)
-    mixed = einops.einsum(geo.pattern, geo.v, "b h q k, b k h d -> b q h d")
+    mixed = einops.einsum(geo.pattern.to(geo.dtype), geo.v, "b h q k, b k h d -> b q h d")  # float32 in half
     return head_outputs(mixed, geo.W_O).sum(dim=2) + acts.b_O
