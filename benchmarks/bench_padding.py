@@ -91,14 +91,23 @@ def check_same(model: Any, texts: list[str], batch_res: Any, each: list[Any]) ->
         real_pairs += len(idx) ** 2
         b = batch_res.intra["contribution"][i][..., idx, :][..., idx]
         bi = batch_res.inter["contribution"][i][..., idx, :][..., idx]
-        intra = max(intra, float((b - res.intra["contribution"][0]).abs().nan_to_num().max()))
-        inter = max(inter, float((bi - res.inter["contribution"][0]).abs().nan_to_num().max()))
+        intra = max(intra, _diff(b, res.intra["contribution"][0]))
+        inter = max(inter, _diff(bi, res.inter["contribution"][0]))
     return {
         "max_diff_intra": intra,
         "max_diff_inter": inter,
         "padded_len": P,
         "real_share": real_pairs / (len(texts) * P * P),
     }
+
+
+def _diff(a: Any, b: Any) -> float:
+    """Largest absolute difference; NaN on both sides counts 0, on one side only inf."""
+    import torch
+
+    d = (a - b).abs()
+    d = torch.where(a.isnan() & b.isnan(), torch.zeros_like(d), d)
+    return float(d.nan_to_num(nan=float("inf")).max())
 
 
 def load(args: argparse.Namespace) -> tuple[Any, list[str]]:
