@@ -19,8 +19,14 @@ one batched matmul over heads (BLAS) and every element-wise step one pass of the
 Where the kernel is built with OpenMP on PyTorch's own runtime (:func:`mechgeom._kernels.build.openmp`), the C
 passes share their rows among ``torch.get_num_threads()`` threads of PyTorch's pool.
 
-It runs where :func:`available` says so: a CPU tensor in float32 or float64, a C compiler on the machine
-(:mod:`mechgeom._kernels.build`), and ``MECHGEOM_NATIVE`` not ``0``; everywhere else the plain-torch sweep runs.
+It runs where :func:`available` says so: a CPU tensor in float32, float64, bfloat16 or float16, a C compiler on
+the machine (:mod:`mechgeom._kernels.build`), and ``MECHGEOM_NATIVE`` not ``0``; everywhere else the plain-torch
+sweep runs.
+
+**Half precision.** The C kernels are built for float32 and float64 only; the sweep runs in the geometry's
+compute dtype (``geo.dtype``: float32 for a bfloat16 or float16 model). ``v`` and ``z`` come upcast (no ``q x k``
+axis); the pattern is upcast one block of queries at a time into a scratch ``[b h n k1]`` that the row kernel
+reads in its place, so the numbers are those of the plain sweep, which upcasts the same blocks.
 """
 
 from __future__ import annotations
@@ -53,6 +59,8 @@ class LayerGeometry(Protocol):
     v: Values
     z: Z
     W_O: WO
+    #: The dtype the sweep computes in (float32 or float64; the pattern may be half precision).
+    dtype: torch.dtype
     causal: bool
     block_size: int | None
     modified: Bool[Tensor, "batch head_index query_pos"] | None
@@ -83,6 +91,8 @@ OUTPUTS = (
 #: The row kernel's argument slots, in order: :data:`INPUTS`, then :data:`OUTPUTS`.
 SLOTS = INPUTS + OUTPUTS
 _SUFFIX = {torch.float32: "f32", torch.float64: "f64"}
+#: Pattern dtypes the sweep reads: the kernel's own, and half precision upcast per block to float32.
+_READS = (*_SUFFIX, torch.bfloat16, torch.float16)
 _I64, _INT, _PTR = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
 _ARGTYPES = {
     "mg_contribution_rows": [_I64] * 5 + [_INT] * 3 + [_PTR, _PTR],
@@ -119,8 +129,8 @@ def _fn(name: str, dtype: torch.dtype) -> Any:
 
 
 def available(pattern: Tensor) -> bool:
-    """Whether the fused sweep can run on this layer (see the module docstring)."""
-    return pattern.device.type == "cpu" and pattern.dtype in _SUFFIX and _lib() is not None
+    """Whether the fused sweep can run on a layer with this pattern (see the module docstring)."""
+    return pattern.device.type == "cpu" and pattern.dtype in _READS and _lib() is not None
 
 
 def _threads(work: int) -> int:
@@ -156,13 +166,13 @@ def _value_norms(
     """``(‖vt[j,h]‖, 1/‖vt[j,h]‖ or 0, gram2)``, ``[b h k]`` each and ``gram2 [b h g k]`` (``G_j[h,h]`` on the
     diagonal, ``2 G_j[h,g]`` above it; only when ``gram``): see ``mg_value_gram`` in ``contribution_rows.c``."""
     B, K, H, D = geo.v.shape
-    dtype = geo.pattern.dtype
+    dtype = geo.dtype
     R = H // 2 + 1 if gram else 1  # r = 0 alone: M[h,:,h,:], the value norms
     mc = layouts.circulant[..., : R * D]  # [h d (r e)]
     vt_norm = geo.scratch("fused_vt_norm", (B, H, K))
     inv_vt = geo.scratch("fused_inv_vt", (B, H, K))
     gram2 = geo.scratch("fused_gram2", (B, H, H, K)) if gram else None  # read only at g >= h
-    es = geo.pattern.element_size()
+    es = dtype.itemsize
     chunk = max(1, GRAM_CHUNK_BYTES // (H * R * D * es))
     reduce = _fn("mg_value_gram", dtype)
     for t0 in range(0, B * K, chunk):
@@ -189,7 +199,7 @@ def _out_norms(
     inv_ol = geo.scratch("fused_inv_ol", (B, Q)) if lu is not None else None
     if hu is None and lu is None:
         return None, None
-    _fn("mg_out_norms", geo.pattern.dtype)(
+    _fn("mg_out_norms", geo.dtype)(
         B, H, Q, D, z.data_ptr(), z.stride(0), z.stride(1), z.stride(2),
         *(0 if t is None else t.data_ptr() for t in (hu, lu, inv_oh, inv_ol)),
     )  # fmt: skip
@@ -214,10 +224,12 @@ def sweep_blocks(
     """
     if not want <= set(OUTPUTS):
         raise ValueError(f"the fused kernel has no slot for {sorted(want - set(OUTPUTS))}; it has {OUTPUTS}")
-    alpha = geo.pattern if geo.pattern.stride(-1) == 1 else geo.pattern.contiguous()
+    # a half-precision pattern is upcast block by block in _rows; otherwise read in place
+    upcast = geo.pattern.dtype != geo.dtype
+    alpha = geo.pattern if upcast or geo.pattern.stride(-1) == 1 else geo.pattern.contiguous()
     B, H, Q, _ = alpha.shape
     D = geo.v.shape[-1]
-    dtype = alpha.dtype
+    dtype = geo.dtype
     need_d1 = "factor_cos" in needs  # cos numerator z[i,h] M[h] . v[j,h]
     need_d2 = "head_share" in needs  # (o[i] @ W_O[h].T) . v[j,h]
     need_vn = need_d1 or "vt_norm" in needs  # the cosine divides by ‖vt‖
@@ -269,7 +281,9 @@ def _rows(
     alpha = ins["alpha"][0]
     B, H, Q, _ = alpha.shape
     D = vh.shape[-1]
-    es = alpha.element_size()
+    dtype = geo.dtype
+    es = dtype.itemsize
+    upcast = alpha.dtype != dtype  # half precision: the kernel reads each block's pattern upcast to dtype
     ptrs = (ctypes.c_void_p * len(SLOTS))()
     strides = (ctypes.c_int64 * (3 * len(SLOTS)))()
 
@@ -279,9 +293,10 @@ def _rows(
         strides[3 * k : 3 * k + 3] = list(st)
 
     for name, (t, kind) in ins.items():
-        put(name, t.data_ptr(), _strides(t, kind))
+        if not (upcast and name == "alpha"):
+            put(name, t.data_ptr(), _strides(t, kind))
     for name, t in out.items():
-        assert t.stride(-1) == 1 and t.dtype == alpha.dtype
+        assert t.stride(-1) == 1 and t.dtype == dtype
         put(name, t.data_ptr(), _strides(t, "bqk" if name.endswith("_inter") else "bhqk"))
 
     slots = [s for s, u in (("d1", hu), ("d2", lu)) if u is not None]
@@ -296,11 +311,15 @@ def _rows(
         # [(h b) d k], a view (keys = queries: the pattern is square)
         v_t = vh.view(H * B, Q, D).transpose(1, 2)
     step = geo.block_size or FUSED_BLOCK_SIZE
-    rows = _fn("mg_contribution_rows", alpha.dtype)
+    rows = _fn("mg_contribution_rows", dtype)
     for q0 in range(0, Q, step):
         q1 = min(q0 + step, Q)
         n = q1 - q0
         k1 = q1 if geo.causal else Q
+        if upcast:  # the block's rows q0:q1 (keys 0:k1) in dtype; the kernel indexes rows from 0, hence - q0
+            a = geo.scratch("fused_alpha", (B, H, n, k1))
+            a.copy_(alpha[:, :, q0:q1, :k1])
+            put("alpha", a.data_ptr() - q0 * k1 * es, (H * n * k1, n * k1, k1))
         if kinds:
             d = geo.scratch("fused_products", (H * B, n * kinds, k1))
             torch.bmm(left[:, q0:q1].reshape(H * B, n * kinds, D), v_t[..., :k1], out=d)

@@ -95,8 +95,13 @@ def layer_b_O(model: Any, layer: int) -> Float[Tensor, " d_model"]:
     return torch.zeros(W_O.shape[-1], dtype=W_O.dtype, device=W_O.device)
 
 
-#: Default relative tolerance of :func:`modified_mask` per dtype (others: 1e-2).
-MODIFIED_RTOL = {torch.float64: 1e-9, torch.float32: 1e-4}
+#: Default relative tolerance of :func:`modified_mask` per dtype of ``z`` (others: 1e-2). In half precision the
+#: bound is the model's own rounding: with unit roundoff ``u`` (2**-8 in bfloat16, 2**-11 in float16), ``z`` rounded
+#: to its dtype is off by at most ``u ‖z‖``, and products of ``alpha v`` rounded before they are summed add at most
+#: ``u sum_j alpha ‖v_j‖``; the check itself runs in float32 (its own error is ~1e-7 of the scale). The default is
+#: twice the sum, ``2u``: a clean pass is never marked, and an intervention is found once it moves ``z`` by more
+#: than ~0.8 % (bfloat16) or ~0.1 % (float16) of the scale, which ablation and patching do by far.
+MODIFIED_RTOL = {torch.float64: 1e-9, torch.float32: 1e-4, torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10}
 
 
 def modified_mask(
@@ -113,11 +118,13 @@ def modified_mask(
     ``docs/definitions.md`` §2.6, "After an intervention": head ``h`` is *modified* at query ``i`` when
     ``‖z[i,h] − sum_j alpha[h,i,j] v[j,h]‖ > rtol * (sum_j alpha[h,i,j] ‖v[j,h]‖ + ‖z[i,h]‖)``. The scale on the
     right bounds the rounding error of the sum itself, so the test is independent of the units of ``v`` and
-    holds for near-zero outputs; ``rtol`` defaults to :data:`MODIFIED_RTOL` for the dtype (1e-4 in float32).
-    ``v`` is GQA-expanded. The cost is that of one attention product per layer: both sums come from one
-    product of ``alpha`` with ``[v, ‖v‖]``. ``causal=True`` (a decoder's pattern, 0 above the diagonal)
-    takes it ``block_size`` queries at a time against only the keys those queries can see, about half the
-    work; a pattern with weight above the diagonal then reads as modified wherever that weight matters.
+    holds for near-zero outputs; ``rtol`` defaults to :data:`MODIFIED_RTOL` for the dtype of ``z`` (1e-4 in
+    float32, ``2u`` in half precision, see there). ``v`` is GQA-expanded. The cost is that of one attention
+    product per layer: both sums come from one product of ``alpha`` with ``[v, ‖v‖]``, ``block_size``
+    queries at a time, in float32 at least (a bfloat16 or float16 pattern is upcast one block at a time, so
+    the check adds no rounding of its own to the model's). ``causal=True`` (a decoder's pattern, 0 above the
+    diagonal) takes each block against only the keys its queries can see, about half the work; a pattern
+    with weight above the diagonal then reads as modified wherever that weight matters.
 
     >>> p = torch.tensor([[[[1.0, 0.0], [0.5, 0.5]]]])  # [b h q k]
     >>> v = torch.tensor([[[[1.0]], [[3.0]]]])  # [b k h d]
@@ -126,15 +133,18 @@ def modified_mask(
     ([[[False, False]]], [[[True, True]]])
     """
     tol = MODIFIED_RTOL.get(z.dtype, 1e-2) if rtol is None else float(rtol)
-    v_h = einops.rearrange(v.to(pattern.dtype), "b k h d -> b h k d")
+    dtype = torch.promote_types(pattern.dtype, torch.float32)  # float32 for half precision, float64 kept
+    v_h = einops.rearrange(v.to(dtype), "b k h d -> b h k d")
     v_aug = torch.cat([v_h, v_h.norm(dim=-1, keepdim=True)], dim=-1)  # [b h k d+1]
     B, H, Q, K = pattern.shape
-    sums = pattern.new_empty((B, H, Q, v_aug.shape[-1]))  # [b h q d+1]: sum_j alpha v_j, sum_j alpha ‖v_j‖
-    step = max(1, int(block_size)) if causal and Q == K else Q
+    # [b h q d+1]: sum_j alpha v_j, sum_j alpha ‖v_j‖
+    sums = pattern.new_empty((B, H, Q, v_aug.shape[-1]), dtype=dtype)
+    step = max(1, int(block_size))
     for q0 in range(0, Q, step):
         q1 = min(q0 + step, Q)
-        keys = q1 if step < Q else K
-        torch.matmul(pattern[:, :, q0:q1, :keys], v_aug[:, :, :keys], out=sums[:, :, q0:q1])
+        keys = q1 if causal and Q == K else K
+        alpha = pattern[:, :, q0:q1, :keys].to(dtype)  # one block upcast (a view when already dtype)
+        torch.matmul(alpha, v_aug[:, :, :keys], out=sums[:, :, q0:q1])
     mixed, scale = sums[..., :-1], sums[..., -1]
     z_h = einops.rearrange(z, "b q h d -> b h q d").to(mixed.dtype)
     return (z_h - mixed).norm(dim=-1) > tol * (scale + z_h.norm(dim=-1))

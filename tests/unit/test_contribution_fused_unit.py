@@ -230,7 +230,7 @@ def test_without_a_compiler_or_when_turned_off_the_plain_sweep_runs(
     monkeypatch.setenv("MECHGEOM_NATIVE", "0")
     assert build.disabled() and build.load("mechgeom._kernels", "contribution_rows.c") is None
     assert not fused.available(alpha)
-    assert not fused.available(alpha.to(torch.float16))  # the kernel has float32 and float64 only
+    assert not fused.available(alpha.to(torch.float16))  # turned off: not for any dtype
 
 
 def test_the_modified_check_runs_only_where_another_hook_could_have_changed_the_layer(monkeypatch) -> None:

@@ -22,11 +22,21 @@ unless ``causal=False``.
 scope, the quantities and metrics it needs, and its formula on one block of queries. The plain-torch sweep
 prepares the closure of those needs once per layer and evaluates each needed metric once per block.
 
-**Two sweeps, one set of numbers.** On CPU in float32/float64, where a C compiler is present, the blocked
+**Two sweeps, one set of numbers.** On CPU (activations in float32/float64, or half precision computed in
+float32), where a C compiler is present, the blocked
 sweep of the metrics the C kernel has slots for is :mod:`~mechgeom._kernels.fused`: per block one matmul for
 both raw products and one pass of a small C kernel (built on first use, see :mod:`mechgeom._kernels.build`)
 that writes every metric once. Any other metric, and all of them elsewhere (GPU, other dtypes, no compiler,
 ``MECHGEOM_NATIVE=0``), runs on the plain-torch sweep below. The tests run both against the brute force.
+
+**Half precision.** A model in bfloat16 or float16 gives its activations as they are: ``pattern`` stays in
+that dtype and is upcast to float32 one block of queries at a time (no float32 copy of a ``[b h q k]``
+tensor beyond one block), ``v``, ``z`` and ``W_O`` (no ``q x k`` axis) once per layer, and every metric is
+computed and accumulated in float32 (:attr:`LayerGeometry.dtype`). The model's ``z`` is ``sum_j alpha v_j``
+rounded to its dtype; it is recomputed in float32 from the same ``alpha`` and ``v`` (one attention product
+per layer), except at heads an earlier hook modified, so that ``o[i,h]`` is the sum of its sources' terms and
+rows sum to 1 to float32 rounding whatever the model's dtype. float32 and float64 activations are computed in
+their own dtype, with the model's ``z``.
 
 **Encoder layout** (``causal=False``, a bidirectional model): every query is computed against every key.
 With ``key_mask`` (``[batch, key_pos]``, ``False`` at padding), every metric is exactly 0 wherever the key or
@@ -52,9 +62,11 @@ from mechgeom.typing import WO, Bool, Float, HeadScores, LayerScores, Pattern, T
 __all__ = [
     "BLOCK_SIZE",
     "FUSED_BLOCK_SIZE",
+    "HALF_DTYPES",
     "INTER_METRICS",
     "INTRA_METRICS",
     "LayerGeometry",
+    "compute_dtype",
 ]
 
 #: Queries per block of the blocked computation (see "Causal layout" in the module docstring): the plain-torch
@@ -64,6 +76,14 @@ BLOCK_SIZE = 128
 FUSED_BLOCK_SIZE = fused.FUSED_BLOCK_SIZE
 #: Tokens per batched matmul of :attr:`LayerGeometry.gram` (its temporary is ``[head, tokens, d_model]``).
 GRAM_CHUNK = 256
+#: Activation dtypes whose metrics are computed in float32 (see "Half precision" in the module docstring).
+HALF_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype the metrics of activations in ``dtype`` are computed in: float32 for bfloat16 and float16
+    (their 8 and 11 significant bits would round every sum to about 1e-2 and 1e-3), else ``dtype`` itself."""
+    return torch.float32 if dtype in HALF_DTYPES else dtype
 
 
 class LayerGeometry:
@@ -87,20 +107,32 @@ class LayerGeometry:
         causal: bool = True,
         key_mask: Bool[Tensor, "batch key_pos"] | None = None,
         workspace: dict[str, Tensor] | None = None,
+        keys_only: bool = False,
     ) -> None:
         if pattern.shape[-1] != pattern.shape[-2]:
             raise ValueError(
                 f"the pattern must be square [.., q, k] (no KV cache); got {tuple(pattern.shape)}"
             )
+        #: The dtype every metric is computed and returned in (:func:`compute_dtype` of the pattern's).
+        self.dtype = compute_dtype(pattern.dtype)
+        #: As given (a half-precision pattern is upcast one block of queries at a time, never whole).
         self.pattern = pattern
-        self.v = v
-        self.z = z
-        self.W_O = W_O
+        # no q x k axis: upcast once per layer (a no-op in float32/float64)
+        self.v = v.to(self.dtype)
+        self.z = z.to(self.dtype)
+        self.W_O = W_O.to(self.dtype)
+        self._W_O_given = (
+            W_O  # the weight Gram's cache is keyed on the model's own tensor (maths.wo_gram_full)
+        )
         #: Queries per block; ``None``: each sweep's own default (:data:`BLOCK_SIZE`, :data:`FUSED_BLOCK_SIZE`).
         self.block_size = None if block_size is None else max(1, int(block_size))
         #: ``[b h q]`` heads whose ``z`` an earlier hook changed (see the module docstring); ``None`` = none.
         self.modified = modified if modified is not None and bool(modified.any()) else None
         self.causal = bool(causal)
+        # half precision: z as the float32 sum it is a rounding of (not needed by the quantities of the key
+        # axis alone, which is all keys_only=True asks for: the kept rows of queries= remix their own z)
+        if pattern.dtype != self.dtype and not keys_only:
+            self.z = self._mixed_values(self.z)
         #: ``[b k]`` real (non-padding) tokens of an encoder's batch; ``None`` = all real.
         self.key_mask = key_mask if key_mask is not None and not bool(key_mask.all()) else None
         self._metrics: dict[str, Tensor] = {}
@@ -114,11 +146,34 @@ class LayerGeometry:
         numel = math.prod(shape)
         like = self.pattern
         if self.workspace is None:
-            return like.new_empty(shape)
+            return like.new_empty(shape, dtype=self.dtype)
         buf = self.workspace.get(name)
-        if buf is None or buf.numel() < numel or buf.dtype != like.dtype or buf.device != like.device:
-            buf = self.workspace[name] = like.new_empty(numel)
+        if buf is None or buf.numel() < numel or buf.dtype != self.dtype or buf.device != like.device:
+            buf = self.workspace[name] = like.new_empty(numel, dtype=self.dtype)
         return buf[:numel].view(shape)
+
+    def _mixed_values(self, z: Z) -> Z:
+        """``sum_j alpha[h,i,j] v[j,h]`` in :attr:`dtype` (one block of queries of the pattern upcast at a time),
+        and ``z`` itself at modified heads.
+
+        A half-precision model's ``z`` is this sum rounded to its dtype (off by up to ``2**-8`` of its norm in
+        bfloat16): taken as it is, ``o[i,h] = z[i,h] @ W_O[h]`` would not be the sum of its sources' terms, and
+        the rows of the contribution would sum to 1 only to about 3e-3. A head an earlier hook changed is
+        told apart by :func:`mechgeom.hooks.modified_mask` at twice that rounding, and keeps the model's ``z``.
+        """
+        B, H, Q, K = self.pattern.shape
+        v = einops.rearrange(self.v, "b k h d -> b h k d")
+        mixed = v.new_empty((B, H, Q, v.shape[-1]))
+        step = self.block_size or BLOCK_SIZE
+        for q0 in range(0, Q, step):
+            q1 = min(q0 + step, Q)
+            k1 = q1 if self.causal and Q == K else K
+            torch.matmul(self.pattern[:, :, q0:q1, :k1].to(self.dtype), v[:, :, :k1], out=mixed[:, :, q0:q1])
+        out = einops.rearrange(mixed, "b h q d -> b q h d").contiguous()
+        if self.modified is not None:
+            keep = einops.rearrange(self.modified, "b h q -> b q h")[..., None]
+            out = torch.where(keep, z, out)
+        return out
 
     @classmethod
     def from_activations(
@@ -160,7 +215,7 @@ class LayerGeometry:
     @cached_property
     def wo_gram_full(self) -> Float[Tensor, "head_index d_head head_index2 d_head2"]:
         """``M[h,:,g,:] = W_O[h] @ W_O[g].T`` (weight-only, cached per ``W_O``: :func:`mechgeom.maths.wo_gram_full`)."""
-        return maths.wo_gram_full(self.W_O)
+        return maths.wo_gram_full(self._W_O_given, dtype=self.dtype)
 
     @cached_property
     def wo_gram(self) -> Float[Tensor, "head_index d_head d_head2"]:
@@ -222,9 +277,10 @@ class LayerGeometry:
     @cached_property
     def modified_share(self) -> Float[Tensor, "batch head_index query_pos"]:
         """The share ``<o[i], o[i,h]> / ‖o[i]‖²`` of each *modified* head (0 for unmodified heads)."""
+        zeros = self.pattern.new_zeros(self.pattern.shape[:-1], dtype=self.dtype)
         if self.modified is None:
-            return torch.zeros_like(self.pattern[..., 0])
-        return torch.where(self.modified, self.output_share, torch.zeros_like(self.pattern[..., 0]))
+            return zeros
+        return torch.where(self.modified, self.output_share, zeros)
 
     @cached_property
     def gram(self) -> Float[Tensor, "batch key_pos head_index head_index2"]:
@@ -262,13 +318,23 @@ class LayerGeometry:
         return out.view(B, K, H, H)
 
     # ---- the metrics of docs/definitions.md §2.1, one method each (their formulas are rows of metrics.METRICS)
-    def attention(self) -> HeadScores:
-        """Raw attention, intra-head: ``alpha[h,i,j]`` (0 at an encoder's padded queries too, see ``key_mask``)."""
-        if self.key_mask is None:
-            return self.pattern
+    def attention(self, out: HeadScores | None = None) -> HeadScores:
+        """Raw attention, intra-head: ``alpha[h,i,j]`` (0 at an encoder's padded queries too, see ``key_mask``),
+        in :attr:`dtype`; written into ``out`` when given (any float dtype: the pattern is copied once, with
+        no temporary), else the pattern itself where no copy is needed."""
+        if out is not None:
+            out.copy_(self.pattern)
+            if self.key_mask is not None:
+                real = self.key_mask[:, None, :, None] & self.key_mask[:, None, None, :]  # [b 1 q k]
+                out.masked_fill_(~real, 0)
+            self._metrics["attention"] = out
+            return out
         if "attention" not in self._metrics:
-            real = self.key_mask[:, None, :, None] & self.key_mask[:, None, None, :]  # [b 1 q k]
-            self._metrics["attention"] = self.pattern.masked_fill(~real, 0)
+            if self.key_mask is None and self.pattern.dtype == self.dtype:
+                return self.pattern
+            self._metrics["attention"] = self.attention(
+                self.pattern.new_empty(self.pattern.shape, dtype=self.dtype)
+            )
         return self._metrics["attention"]
 
     def attention_inter(self) -> LayerScores:
@@ -350,7 +416,9 @@ class LayerGeometry:
         """Several metrics in one blocked sweep: ``({intra name: [b h q k]}, {inter name: [b q k]})``.
 
         ``out_intra`` / ``out_inter`` optionally give tensors (or views) of the right shape to write the
-        metrics into, e.g. to reuse memory across layers; the returned tensors are then those.
+        metrics into, e.g. to reuse memory across layers; the returned tensors are then those. A buffer in
+        another float dtype than :attr:`dtype` (e.g. bfloat16 outputs of a float32 computation) gets the metric
+        computed in :attr:`dtype` and then copied into it (one layer's temporary).
         ``zeroed=True`` promises that those tensors already hold 0 at every key after its query
         (``key > query``), e.g. because they hold an earlier layer's metrics of a causal model with the same
         shape, untouched since; the fused sweep then does not write those entries again (the plain one
@@ -364,6 +432,8 @@ class LayerGeometry:
         buffers.update({metrics.lookup(m, "inter").key: t for m, t in (out_inter or {}).items()})
         keys = [r.key for r in rows if r.formula is not None and r.key not in self._metrics]
         self._sweep(keys, buffers, zeroed=zeroed)
+        if "attention" in intra and "attention" in buffers:  # the pattern copied straight into its buffer
+            self.attention(buffers["attention"])
         return {m: self.intra(m) for m in intra}, {m: self.inter(m) for m in inter}
 
     def _sweep(
@@ -385,19 +455,25 @@ class LayerGeometry:
         B, H, Q, _ = alpha.shape
         out = {}
         fresh = set()
+        staged: dict[
+            str, Tensor
+        ] = {}  # buffers in another float dtype (out_dtype): computed here, then copied
         for k in want:
             shape = (B, Q, Q) if metrics.lookup(k).scope == "inter" else (B, H, Q, Q)
             buf = buffers.get(k)
-            if buf is not None and (tuple(buf.shape) != shape or buf.dtype != alpha.dtype):
+            if buf is not None and (tuple(buf.shape) != shape or not buf.dtype.is_floating_point):
                 raise ValueError(
-                    f"buffer for {k!r} is {tuple(buf.shape)} {buf.dtype}, need {shape} {alpha.dtype}"
+                    f"buffer for {k!r} is {tuple(buf.shape)} {buf.dtype}, need {shape} in a float dtype "
+                    f"(the metrics are computed in {self.dtype})"
                 )
+            if buf is not None and buf.dtype != self.dtype:
+                staged[k], buf = buf, None
             if buf is None:
                 fresh.add(k)
-            out[k] = alpha.new_empty(shape) if buf is None else buf
+            out[k] = alpha.new_empty(shape, dtype=self.dtype) if buf is None else buf
         plain = set(want)
         kernel = want & set(fused.OUTPUTS)
-        if kernel and fused.available(alpha) and all(out[k].stride(-1) == 1 for k in kernel):
+        if kernel and fused.available(self.pattern) and all(out[k].stride(-1) == 1 for k in kernel):
             if zeroed:  # the kernel writes the keys after a query only where the buffer is not known to be 0
                 for k in fresh & kernel:
                     out[k].zero_()
@@ -412,6 +488,8 @@ class LayerGeometry:
             real = self.key_mask[:, :, None] & self.key_mask[:, None, :]  # [b q k]
             for k, t in out.items():
                 t.masked_fill_(~(real if metrics.lookup(k).scope == "inter" else real[:, None]), 0)
+        for k, buf in staged.items():
+            out[k] = buf.copy_(out[k])
         self._metrics.update(out)
 
     def _eager_blocks(self, want: set[str], out: dict[str, Tensor], to_zero: list[Tensor]) -> None:
@@ -428,14 +506,14 @@ class LayerGeometry:
             prepared[quantity.name] = quantity.prepare(self, prepared)
         alpha = self.pattern
         Q = alpha.shape[-1]
-        keep = None if self.modified is None else (~self.modified).to(alpha.dtype)[..., None]  # [b h q 1]
+        keep = None if self.modified is None else (~self.modified).to(self.dtype)[..., None]  # [b h q 1]
         # alpha-weighted outputs are already 0 above the diagonal, except in NaN rows; factors never are
         factors = [t for k, t in out.items() if metrics.lookup(k).factor]
         nan_rows = self._nan_rows(quantities, prepared)
         step = self.block_size or BLOCK_SIZE
         bs = min(step, Q)
         upper = torch.ones(bs, bs, dtype=torch.bool, device=alpha.device).triu_(1)  # key > query in a block
-        lower = (~upper).to(alpha.dtype)  # 1 where key <= query: a product zeroes the rest (faster)
+        lower = (~upper).to(self.dtype)  # 1 where key <= query: a product zeroes the rest (faster)
 
         for q0 in range(0, Q, step):
             q1 = min(q0 + step, Q)
@@ -482,7 +560,8 @@ class _Block:
     def __init__(
         self, geo: LayerGeometry, prepared: dict[str, Tensor], keep: Tensor | None, q0: int, q1: int, k1: int
     ) -> None:
-        self.alpha = geo.pattern[:, :, q0:q1, :k1]
+        # the one float32 copy of a half-precision pattern: this block's (a view in float32/float64)
+        self.alpha = geo.pattern[:, :, q0:q1, :k1].to(geo.dtype)
         self.modified = None if geo.modified is None else geo.modified[:, :, q0:q1, None]
         self.keep = None if keep is None else keep[:, :, q0:q1]
         self.done: dict[str, Tensor] = {}

@@ -57,9 +57,13 @@ Axis = Literal["query", "key"]
 class Layer(Protocol):
     """What a quantity is prepared from: :class:`~mechgeom.analyses.contribution.geometry.LayerGeometry`."""
 
+    #: As the model gave it: possibly half precision, sliced and upcast per block (:attr:`Block.alpha`).
     pattern: Float[Tensor, "batch head_index query_pos key_pos"]
+    #: In :attr:`dtype`.
     v: Float[Tensor, "batch key_pos head_index d_head"]
     modified: Bool[Tensor, "batch head_index query_pos"] | None
+    #: The dtype of every quantity and metric (float32 for a half-precision model).
+    dtype: torch.dtype
 
     @property
     def gram(self) -> Float[Tensor, "batch key_pos head_index head_index2"]: ...
@@ -78,7 +82,7 @@ class Layer(Protocol):
 class Block(Protocol):
     """One block of queries ``q0:q1`` (``n`` of them) against keys ``0:k1``, as a formula sees it."""
 
-    #: ``[b h n k1]``: the pattern of the block.
+    #: ``[b h n k1]``: the pattern of the block, in the layer's compute dtype.
     alpha: Tensor
     #: ``[b h n 1]``, True for a modified head (see the module docstring); ``None``: no head is.
     modified: Tensor | None
@@ -160,7 +164,7 @@ def _inv_head_norm(layer: Layer, q: dict[str, Tensor]) -> Tensor:
 
 def _share_u(layer: Layer, q: dict[str, Tensor]) -> Tensor:
     u = einops.rearrange(layer.layer_u, "b q h d -> b h q d") * (q["inv_layer_norm"][:, None] ** 2)
-    return u if layer.modified is None else u * (~layer.modified).to(layer.pattern.dtype)[..., None]
+    return u if layer.modified is None else u * (~layer.modified).to(layer.dtype)[..., None]
 
 
 #: Every quantity, each after those it needs. The Gram comes first: :attr:`Layer.vt_norm` is then read off its

@@ -66,16 +66,26 @@ class QueryRows:
         n = index.shape[1]
         take = index.clamp_min(0).to(acts.pattern.device)
         #: The whole layer, for the quantities on the key axis only (no q x k work is done through it).
-        self.geo = LayerGeometry(acts.pattern, acts.v, acts.z, acts.W_O, causal=acts.causal)
-        self.pattern = acts.pattern.gather(2, take[:, None, :, None].expand(B, H, n, K))
-        self.z = acts.z.gather(1, take[:, :, None, None].expand(B, n, H, acts.z.shape[-1]))
-        self.v = acts.v
+        self.geo = LayerGeometry(acts.pattern, acts.v, acts.z, acts.W_O, causal=acts.causal, keys_only=True)
+        #: The dtype the rows are computed in: float32 for a half-precision model (as the whole layer's are).
+        self.dtype = self.geo.dtype
+        self.pattern = acts.pattern.gather(2, take[:, None, :, None].expand(B, H, n, K)).to(self.dtype)
+        self.z = acts.z.gather(1, take[:, :, None, None].expand(B, n, H, acts.z.shape[-1])).to(self.dtype)
+        self.v = self.geo.v
         mod = acts.modified
         self.modified = (
             None
             if mod is None or not bool(mod.any())
             else mod.to(take.device).gather(2, take[:, None].expand(B, H, n))
         )
+        if acts.pattern.dtype != self.dtype:  # half precision: z as the float32 sum it is a rounding of
+            mixed = einops.einsum(self.pattern, self.v, "b h n k, b k h d -> b n h d")
+            keep = (
+                None
+                if self.modified is None
+                else einops.rearrange(self.modified, "b h n -> b n h")[..., None]
+            )
+            self.z = mixed if keep is None else torch.where(keep, self.z, mixed)
 
     @property
     def gram(self) -> Float[Tensor, "batch key_pos head_index head_index2"]:
@@ -154,7 +164,8 @@ def row_metrics(
         block_size: kept rows per block (bounds the temporaries).
 
     Returns:
-        ``(intra, inter, modified, modified_share)``, on the activations' device and dtype.
+        ``(intra, inter, modified, modified_share)``, on the activations' device, in the dtype they are
+        computed in (float32 for a half-precision model, as the whole layer's).
     """
     rows = QueryRows(acts, index)
     alpha = rows.pattern

@@ -49,7 +49,8 @@ import torch
 from mechgeom._deprecation import warn_deprecated
 from mechgeom._progress import progress
 from mechgeom.analyses.base import Collector, Result, nothing_collected, run_collector
-from mechgeom.analyses.contribution.geometry import INTER_METRICS, INTRA_METRICS, LayerGeometry
+from mechgeom.analyses.budget import contribution_budget
+from mechgeom.analyses.contribution.geometry import INTER_METRICS, INTRA_METRICS, LayerGeometry, compute_dtype
 from mechgeom.analyses.contribution.rows import query_index, row_metrics
 from mechgeom.analyses.contribution.stats import SUMMARY_METRICS, result_summary, special_token_frame
 from mechgeom.hooks import (
@@ -59,8 +60,10 @@ from mechgeom.hooks import (
     TokensOrText,
     check_indices,
     head_outputs,
+    hook_name,
     modified_pairs,
     run_hooks,
+    select_queries,
     text_positions,
     to_batch,
     token_strings,
@@ -364,6 +367,9 @@ class ContributionCollector(Collector):
     always safe to keep. ``reuse_buffers=True`` (deprecated: the storage check recycles the same buffers)
     recycles unconditionally, so the callback must copy what it keeps.
 
+    **Precision.** The metrics are computed in float32 for a bfloat16 or float16 model (see "Half precision" in
+    :mod:`~mechgeom.analyses.contribution.geometry`) and returned in that dtype, or in ``out_dtype`` when given.
+
     >>> import torch
     >>> from transformer_lens.config import TransformerBridgeConfig
     >>> from transformer_lens.model_bridge import TransformerBridge
@@ -390,6 +396,7 @@ class ContributionCollector(Collector):
         store_device: str | torch.device = "cpu",
         reuse_buffers: bool = False,
         queries: Queries = None,
+        out_dtype: torch.dtype | None = None,
     ) -> None:
         if reuse_buffers and on_layer is None:
             raise ValueError(
@@ -411,6 +418,9 @@ class ContributionCollector(Collector):
             )
         self.user_on_layer = on_layer
         self.store_device = torch.device(store_device)
+        #: The dtype of the metrics returned; ``None``: the dtype they are computed in (float32 for a bfloat16 or
+        #: float16 model, else the model's own; see "Half precision" in the geometry module).
+        self.out_dtype = out_dtype
         self.reuse_buffers = reuse_buffers
         self._intra: dict[int, dict[str, Tensor]] = {}
         self._inter: dict[int, dict[str, Tensor]] = {}
@@ -431,7 +441,7 @@ class ContributionCollector(Collector):
         """Where this layer's metrics are written: reused buffers, a slice of the result, or fresh memory."""
         B, H, Q, _ = acts.pattern.shape
         intra_metrics = [m for m in self.intra_metrics if m != "attention"]
-        dtype = acts.pattern.dtype
+        dtype = self._dtype(acts)
         if self.user_on_layer is not None:
             bufs = self._buffers
             p = acts.pattern
@@ -439,7 +449,7 @@ class ContributionCollector(Collector):
                 for m in names:
                     t = bufs[kind].get(m)
                     if t is None or t.shape != shape or t.dtype != dtype or t.device != p.device:
-                        bufs[kind][m] = p.new_empty(shape)
+                        bufs[kind][m] = p.new_empty(shape, dtype=dtype)
                         self._versions.pop((kind, m), None)
             return bufs
         if acts.pattern.device != self.store_device:
@@ -456,6 +466,10 @@ class ContributionCollector(Collector):
             self._intra, self._inter = {}, {}
         li = self.layers.index(acts.layer)
         return ({m: t[:, li] for m, t in store[0].items()}, {m: t[:, li] for m, t in store[1].items()})
+
+    def _dtype(self, acts: LayerActivations) -> torch.dtype:
+        """The dtype of this layer's metrics: ``out_dtype``, else the dtype they are computed in."""
+        return self.out_dtype or compute_dtype(acts.pattern.dtype)
 
     def _zeroed(self, out_intra: dict[str, Tensor], out_inter: dict[str, Tensor]) -> bool:
         """Whether every recycled buffer is exactly as this collector last wrote it (0 above the blocks)."""
@@ -492,9 +506,10 @@ class ContributionCollector(Collector):
             intra, inter, modified, share = row_metrics(
                 acts, self._query_index, self.intra_metrics, self.inter_metrics
             )
-            intra = {m: t.to(self.store_device) for m, t in intra.items()}
-            inter = {m: t.to(self.store_device) for m, t in inter.items()}
-            modified, share = modified.to(self.store_device), share.to(self.store_device)
+            dtype = self._dtype(acts)
+            intra = {m: t.to(self.store_device, dtype) for m, t in intra.items()}
+            inter = {m: t.to(self.store_device, dtype) for m, t in inter.items()}
+            modified, share = modified.to(self.store_device), share.to(self.store_device, dtype)
         else:
             intra, inter, modified, share = self._full_layer(acts)
         if self.user_on_layer is not None:
@@ -541,18 +556,15 @@ class ContributionCollector(Collector):
                 out_inter=out_inter,
                 zeroed=self._zeroed(out_intra, out_inter),
             )
-            if "attention" in out_intra:
-                intra["attention"] = out_intra["attention"].copy_(intra["attention"])
-            intra = {m: t.to(self.store_device) for m, t in intra.items()}
-            inter = {m: t.to(self.store_device) for m, t in inter.items()}
+            dtype = self._dtype(acts)
+            intra = {m: t.to(self.store_device, dtype) for m, t in intra.items()}
+            inter = {m: t.to(self.store_device, dtype) for m, t in inter.items()}
             if geo.modified is None:
                 modified = torch.zeros(acts.pattern.shape[:3], dtype=torch.bool, device=self.store_device)
-                share = torch.zeros(
-                    acts.pattern.shape[:3], dtype=acts.pattern.dtype, device=self.store_device
-                )
+                share = torch.zeros(acts.pattern.shape[:3], dtype=dtype, device=self.store_device)
             else:
                 modified = geo.modified.to(self.store_device)
-                share = geo.modified_share.to(self.store_device)
+                share = geo.modified_share.to(self.store_device, dtype)
         return intra, inter, modified, share
 
     def _finish_pass(self) -> None:
@@ -701,6 +713,8 @@ def contribution_weights(
     inter: Sequence[str] | None = None,
     attention_mask: Bool[Tensor, "batch pos"] | None = None,
     queries: Queries = None,
+    out_dtype: torch.dtype | None = None,
+    memory_budget: float | None = None,
 ) -> ContributionResult:
     """Contribution weights and baselines of every head of ``layers`` in one forward pass.
 
@@ -727,22 +741,37 @@ def contribution_weights(
             over the padded batch (:func:`~mechgeom.hooks.select_queries`). Only the kept rows are computed,
             ``O(k)`` per kept query in time and memory (``batch * layers * heads * n_kept * k`` floats per
             metric); the result's query axis holds them and ``query_index`` says where each stands.
+        out_dtype: the dtype of the metrics returned. ``None``: the dtype they are computed in, float32 for a
+            bfloat16 or float16 model (its activations are read as they are and every metric is accumulated in
+            float32, see :mod:`~mechgeom.analyses.contribution.geometry`), else the model's own. E.g.
+            ``torch.bfloat16`` halves the memory of the result, at 8 significant bits.
+        memory_budget: bytes the outputs may take (``math.inf``: no check); ``None``: the default of
+            :mod:`mechgeom.analyses.budget` (50 % of the free memory where the result is kept). They are
+            estimated before the pass (``batch * layers * heads * q * k`` per intra-head metric, plus the
+            inter-head ones).
 
     Returns:
         A :class:`ContributionResult`.
 
     Raises:
+        MemoryBudgetError: The estimate is above the budget (nothing was run); the message gives it and the
+            ways out: ``queries=``, fewer metrics or layers, a streaming ``on_layer`` collector.
         IndexError: a query position outside some text (naming its valid range).
         ValueError, TypeError: as :func:`~mechgeom.hooks.select_queries` for a bad ``queries``.
     """
-    col = ContributionCollector(model, layers, intra=intra, inter=inter, queries=queries)
+    col = ContributionCollector(model, layers, intra=intra, inter=inter, queries=queries, out_dtype=out_dtype)
     if cache is not None:
+        shape = _cache_shape(cache, col.layers[0])
+        kept = None if shape is None else _kept_rows(queries, attention_mask, shape)
+        contribution_budget(col, shape, cache=cache, memory_budget=memory_budget, queries=kept)
         return run_collector(  # type: ignore[no-any-return]
             model, tokens_or_text, col, cache=cache, extra_hooks=extra_hooks, attention_mask=attention_mask
         )
     if tokens_or_text is None:
         raise ValueError("give text or token ids to analyse, or cache= with the activations of a pass")
     tokens, mask = to_batch(model, tokens_or_text, attention_mask=attention_mask, encoders=True)
+    kept = _kept_rows(queries, mask, tokens.shape)
+    contribution_budget(col, tokens.shape, memory_budget=memory_budget, queries=kept)
     bar = _layer_bar(col.layers, verbose)
     col._after_layer = lambda _layer: next(bar, None)
     hooks = [*extra_hooks, *col.fwd_hooks]
@@ -753,6 +782,24 @@ def contribution_weights(
         if close is not None:
             close()
     return col.result(tokens)  # type: ignore[return-value]
+
+
+def _cache_shape(cache: Any, layer: int) -> tuple[int, int] | None:
+    """``(batch, pos)`` of a cache's pattern of ``layer``; ``None`` where it has none (reading it fails later
+    with its own message)."""
+    try:
+        pattern = cache[hook_name(layer, "pattern")]  # [batch head q k]
+    except (KeyError, TypeError):
+        return None
+    return int(pattern.shape[0]), int(pattern.shape[-1])
+
+
+def _kept_rows(queries: Queries, mask: Tensor | None, shape: tuple[int, ...] | torch.Size) -> int | None:
+    """The query rows a text keeps under ``queries`` (the most of any text): what the budget counts per text;
+    ``None`` for every query."""
+    if queries is None:
+        return None
+    return int(select_queries(queries, mask, int(shape[0]), int(shape[1])).sum(-1).max())
 
 
 def _layer_bar(layers: Sequence[int], enabled: bool) -> Iterator[int]:
@@ -781,5 +828,5 @@ def contribution_weights_from_cache(
 def reconstruct_attn_out(model: Any, acts: LayerActivations) -> Float[Tensor, "batch pos d_model"]:
     """``sum_h sum_j alpha[h,i,j] vt[j,h] + b_O``: what ``hook_attn_out`` should read."""
     geo = LayerGeometry.from_activations(acts)
-    mixed = einops.einsum(geo.pattern, geo.v, "b h q k, b k h d -> b q h d")
+    mixed = einops.einsum(geo.pattern.to(geo.dtype), geo.v, "b h q k, b k h d -> b q h d")  # float32 in half
     return head_outputs(mixed, geo.W_O).sum(dim=2) + acts.b_O
