@@ -1,18 +1,13 @@
-"""Benchmark: the queries that matter and padded batches (issue 35), on SmolLM2-135M, against a plain forward.
+"""Benchmark: the last query's contribution weights at long contexts (issue 35), on SmolLM2-135M, against a
+plain forward.
 
-Two tables, each measured side by side with its baseline, every kind in a fresh worker process (so each peak
-is that kind's alone; the method of ``bench_contribution.py``: peak resident set size during the run minus
-the resident size just before, ``VmHWM`` after resetting it):
-
-1. **Last query, long contexts.** ``contribution_weights(model, tokens, queries=[-1])`` of every layer with the
-   default metrics (7 intra-head + 4 inter-head), the result kept in memory, against a plain forward
-   (``return_type=None``) of the same tokens. Shapes ``1 x 1024``, ``1 x 4096``, ``1 x 8192``. The result is
-   ``layers * heads * 1 * k`` floats per intra metric, O(k); the forward itself holds one layer's
-   ``[head, q, k]`` pattern at a time, which both sides pay.
-2. **A padded batch.** Eight texts of mixed length (16 to 128 tokens) as one padded batch against the same
-   texts one by one: ``contribution_weights`` of every layer with the default metrics, each layer streamed to
-   an ``on_layer`` callback that drops it (``ContributionCollector``), and the plain forward of the same
-   batch for scale.
+``contribution_weights(model, tokens, queries=[-1])`` of every layer with the default metrics (7 intra-head +
+4 inter-head), the result kept in memory, against a plain forward (``return_type=None``) of the same tokens,
+at ``1 x 1024``, ``1 x 4096`` and ``1 x 8192``. Each kind runs in a fresh worker process, so each peak is that
+kind's alone (the method of ``bench_contribution.py``: peak resident set size during the run minus the
+resident size just before, ``VmHWM`` after resetting it). The result is ``layers * heads * 1 * k`` floats per
+intra metric, O(k); the forward itself holds one layer's ``[head, q, k]`` pattern at a time, which both sides
+pay. A padded batch against its texts one by one is ``bench_padding.py``.
 
 Time: median of ``--repeats`` runs in the worker after one warm-up (``--repeats 1`` at 4096 and 8192 by
 default: a run takes minutes on two cores). Writes a Markdown table to stdout and, with ``--out``, a JSON.
@@ -36,8 +31,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_contribution import measure
 
 LONG = (1024, 4096, 8192)
-#: Token lengths of the eight texts of the padded batch.
-MIXED = (16, 128, 40, 96, 24, 64, 112, 48)
 
 
 def _model(threads: int) -> Any:
@@ -56,10 +49,10 @@ def _tokens(model: Any, n: int, seed: int = 0) -> Any:
     return torch.randint(100, int(model.cfg.d_vocab) - 100, (1, n), generator=g)
 
 
-def _plain(model: Any, tokens: Any, mask: Any = None) -> None:
+def _plain(model: Any, tokens: Any) -> None:
     from mechgeom.hooks import run_hooks
 
-    run_hooks(model, tokens, [], attention_mask=mask)
+    run_hooks(model, tokens, [])
 
 
 def _last_query(model: Any, tokens: Any) -> Any:
@@ -68,44 +61,11 @@ def _last_query(model: Any, tokens: Any) -> Any:
     return contribution_weights(model, tokens, queries=[-1])
 
 
-def _streamed(model: Any, tokens: Any, mask: Any = None) -> int:
-    from mechgeom.analyses.contribution.weights import ContributionCollector
-    from mechgeom.hooks import run_hooks
-
-    seen: list[int] = []
-    col = ContributionCollector(model, on_layer=lambda layer, metrics: seen.append(layer))
-    run_hooks(model, tokens, col.fwd_hooks, attention_mask=mask)
-    return len(seen)
-
-
-def _batch(model: Any) -> tuple[Any, Any, list[Any]]:
-    """The eight texts as one right-padded batch with its mask, and each text alone."""
-    import torch
-
-    rows = [_tokens(model, n, seed=i)[0] for i, n in enumerate(MIXED)]
-    n = max(MIXED)
-    tokens = torch.zeros(len(rows), n, dtype=torch.long)
-    mask = torch.zeros(len(rows), n, dtype=torch.bool)
-    for b, r in enumerate(rows):
-        tokens[b, : len(r)] = r
-        mask[b, : len(r)] = True
-    return tokens, mask, [r[None] for r in rows]
-
-
 def worker(kind: str, n: int, repeats: int, threads: int) -> dict[str, Any]:
     """One kind in this (fresh) process: its cold run's time and peak, then ``repeats`` timed runs."""
     model = _model(threads)
-    if kind in ("plain", "last_query"):
-        tokens = _tokens(model, n)
-        fn = (lambda: _plain(model, tokens)) if kind == "plain" else (lambda: _last_query(model, tokens))
-    else:
-        tokens, mask, alone = _batch(model)
-        if kind == "batch_plain":
-            fn = lambda: _plain(model, tokens, mask)  # noqa: E731
-        elif kind == "batch_padded":
-            fn = lambda: _streamed(model, tokens, mask)  # noqa: E731
-        else:
-            fn = lambda: [_streamed(model, t) for t in alone]  # noqa: E731
+    tokens = _tokens(model, n)
+    fn = (lambda: _plain(model, tokens)) if kind == "plain" else (lambda: _last_query(model, tokens))
     cold_s, peak_mb, _ = measure(fn)
     times = []
     for _ in range(repeats):
@@ -149,17 +109,6 @@ def main(argv: list[str] | None = None) -> None:
             f"| 1x{n} | {ta:.2f} s | {tb:.2f} s | {tb / ta:.3f} | {a['peak_mb']:.0f} MB | {b['peak_mb']:.0f} MB |",
             flush=True,
         )
-    print()
-    print("| 8 texts, 16-128 tokens | time | peak |")
-    print("|---|---|---|")
-    for kind, label in (
-        ("batch_plain", "plain forward of the padded batch"),
-        ("batch_padded", "contributions, all layers, one padded batch"),
-        ("batch_alone", "contributions, all layers, the texts one by one"),
-    ):
-        r = spawn(kind, 0, args.repeats, args.threads)
-        rows.append(r)
-        print(f"| {label} | {statistics.median(r['times']):.2f} s | {r['peak_mb']:.0f} MB |", flush=True)
     if args.out:
         args.out.write_text(json.dumps(rows, indent=1) + "\n")
 
