@@ -242,3 +242,42 @@ def test_attention_mask_is_keyword_only_everywhere() -> None:
         param = inspect.signature(fn).parameters["attention_mask"]
         assert param.kind is inspect.Parameter.KEYWORD_ONLY and param.default is None, fn.__name__
     assert curves.perplexity_curves is perplexity_curves and rankings.source_rankings is source_rankings
+
+
+# --------------------------------------------------------------------------- an encoder's embedding curves
+
+
+def _encoder_embedding(model, tokens, attention_mask, *, fwd_hooks=()):
+    """Final hidden states mean-pooled over the real tokens (the sentence embedding, written out here)."""
+    out: dict[str, torch.Tensor] = {}
+    hooks = list(fwd_hooks)
+    with torch.no_grad():
+        if type(model).__name__ == "HookedEncoder":
+            with model.hooks(fwd_hooks=hooks, reset_hooks_end=True):
+                out["x"] = model.encoder_output(tokens, None, attention_mask)
+        else:
+            hooks.append(("ln_final.hook_normalized", lambda x, hook: out.__setitem__("x", x)))
+            with model.hooks(fwd_hooks=hooks, reset_hooks_end=True):
+                model(tokens, attention_mask=attention_mask, return_type=None)
+    w = attention_mask.to(out["x"].dtype)[..., None]
+    return (out["x"] * w).sum(1) / w.sum(1)
+
+
+@pytest.mark.parametrize("side", SIDES)
+def test_embedding_curves_of_a_padded_batch_equal_each_text_alone(side) -> None:
+    """An encoder's positions are absolute: a left-padded text must still be read from position 0."""
+    from conftest import HAS_HOOKED, make_hooked_encoder
+
+    from mechgeom.analyses.faithfulness.embedding import embedding_curves
+
+    model = make_hooked_encoder(5) if HAS_HOOKED else make_tiny(attention_dir="bidirectional", seed=5)
+    tokens, mask = padded(side, pad_id=0)
+    kw = dict(metrics=["attention", "random"], rates=[0.5, 1.0], embedding_fn=_encoder_embedding, n_boot=5)
+    batched = embedding_curves(model, tokens, attention_mask=mask.long(), **kw)
+    assert batched.n_tokens == list(LENGTHS)
+    for b, t in enumerate(texts()):
+        alone = embedding_curves(model, t[None], **kw)
+        assert alone.unit_hashes == [batched.unit_hashes[b]]
+        np.testing.assert_allclose(batched.effects[..., b], alone.effects[..., 0], rtol=1e-5, atol=1e-6)
+    assert float(np.abs(batched.effects).max()) > 1e-3  # the removal does something
+    assert not has_hooks(model)
