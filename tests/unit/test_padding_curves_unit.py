@@ -281,3 +281,46 @@ def test_embedding_curves_of_a_padded_batch_equal_each_text_alone(side) -> None:
         np.testing.assert_allclose(batched.effects[..., b], alone.effects[..., 0], rtol=1e-5, atol=1e-6)
     assert float(np.abs(batched.effects).max()) > 1e-3  # the removal does something
     assert not has_hooks(model)
+
+
+# --------------------------------------------------------------------------- pruning's evaluation passes
+
+
+@pytest.mark.parametrize("side", SIDES)
+def test_single_head_sweep_of_a_padded_batch_equals_each_text_alone(model, side, tmp_path) -> None:
+    from mechgeom.analyses.heads.pruning import single_head_sweep, sweep_exactness
+
+    tokens, mask = padded(side)
+    heads = [(0, 1), (1, 0), (1, 3)]
+    ckpt = tmp_path / "sweep.csv"
+    batched = single_head_sweep(
+        model, tokens, attention_mask=mask, heads=heads, batch_size=2, checkpoint=ckpt
+    )
+    torch.testing.assert_close(batched.clean_nll, alone_nll(model), rtol=1e-5, atol=0)
+    for b, t in enumerate(texts()):
+        alone = single_head_sweep(model, t[None], heads=heads)
+        for lh in heads:
+            assert float(batched.nll[lh][b]) == pytest.approx(float(alone.nll[lh][0]), rel=1e-5)
+    gap = sweep_exactness(model, tokens, batched, heads, attention_mask=mask)["max_abs_nll_gap"]
+    assert gap < 1e-5
+    # the mask is in the checkpoint's fingerprint: the same ids read without it are other numbers
+    with pytest.raises(ValueError, match="tokens"):
+        single_head_sweep(model, tokens, heads=heads, checkpoint=ckpt)
+
+
+@pytest.mark.parametrize("side", SIDES)
+def test_retention_curve_of_a_padded_corpus_pools_each_text_as_alone(model, side) -> None:
+    from mechgeom.analyses.heads.pruning import retention_curve
+
+    tokens, mask = padded(side)
+    order = [(la, h) for la in range(2) for h in range(4)]
+    frame = retention_curve(model, order, {"c": tokens}, levels=[1.0, 0.5], attention_mask={"c": mask})
+    clean = frame[frame["retention"] == 1.0]
+    assert float(clean["nll"].iloc[0]) == pytest.approx(float(alone_nll(model).mean()), rel=1e-5)
+    half = frame[frame["retention"] == 0.5]
+    removed = order[:4]
+    from mechgeom.hooks import head_ablation_hooks
+
+    hooks = head_ablation_hooks(model, removed)
+    ref = torch.cat([text_nll(model, t[None], hooks) for t in texts()]).mean()
+    assert float(half["nll"].iloc[0]) == pytest.approx(float(ref), rel=1e-5)
