@@ -480,14 +480,21 @@ def ablate_value_hook(
     sinks: list[int],
     mode: str,
     scale: float,
+    key_mask: Bool[Tensor, "batch pos"] | None = None,
 ) -> Float[Tensor, "batch pos kv_head d_head"]:
     # v: [batch pos kv_head d_head] (not GQA-expanded). Ablate v[b, p, kv] for p in positions[b].
+    # key_mask [batch pos]: the real tokens; a pad is never a reference of "mean_norm" nor ablated.
     if mode == "unchanged":
         return v
     batch, pos, n_kv, _ = v.shape
     if max(kv_heads) >= n_kv:
         raise IndexError(f"KV head {max(kv_heads)} out of range for hook_v with {n_kv} KV heads")
     target = _positions_mask(positions.to(v.device), batch, pos)  # [b pos]
+    real = None if key_mask is None else key_mask.to(v.device).bool()
+    if real is not None:
+        if tuple(real.shape) != (batch, pos):
+            raise ValueError(f"key_mask {tuple(real.shape)} does not fit hook_v [batch={batch}, pos={pos}]")
+        target = target & real
     kv_sel = torch.zeros(n_kv, dtype=torch.bool, device=v.device)
     kv_sel[kv_heads] = True
     sel = target[:, :, None] & kv_sel[None, None, :]  # [b pos kv]
@@ -498,6 +505,8 @@ def ablate_value_hook(
     else:  # mean_norm: the mean value-space norm of the positions neither ablated nor sinks
         norms = v.norm(dim=-1)  # [b pos kv]
         ref = ~target & ~sink_mask(sinks, pos, v.device)[None, :]  # [b pos]
+        if real is not None:
+            ref = ref & real
         ref_norm = masked_mean(norms, ref[:, :, None].expand_as(norms), dim=1)  # [b kv]
         factor = torch.where(norms > 0, ref_norm[:, None, :] / norms.clamp_min(1e-30), 1.0)  # zero stays zero
         new = v * (scale * factor)[..., None]
@@ -513,6 +522,7 @@ def sink_value_hooks(
     scale: float = 1.0,
     sink_positions: int | Sequence[int] | None = None,
     positions: Sequence[int] | Tensor | None = None,
+    key_mask: Bool[Tensor, "batch pos"] | None = None,
 ) -> list[FwdHook]:
     """Hooks on ``hook_v`` that ablate the sink value in ``layers`` and ``heads`` (default: all).
 
@@ -527,6 +537,9 @@ def sink_value_hooks(
     ``positions`` replaces the sink set as the ablated positions (the random-position control):
     shared ``[n]`` or per text ``[batch, n]`` (then the batch must match). The norm reference of
     ``"mean_norm"`` excludes both the ablated positions and the sink set.
+
+    ``key_mask`` (``[batch, pos]`` bools, True at real tokens; the batch must match) marks a padded batch's
+    pads: a pad is never ablated and never part of the ``"mean_norm"`` reference.
     """
     if mode not in VALUE_ABLATION_MODES:
         raise ValueError(f"unknown ablation mode {mode!r}; choose from {list(VALUE_ABLATION_MODES)}")
@@ -541,6 +554,7 @@ def sink_value_hooks(
         sinks=sinks,
         mode=mode,
         scale=float(scale),
+        key_mask=key_mask,
     )
     return [(hook_name(layer, "v"), fn) for layer in resolve_layers(model, layers)]
 

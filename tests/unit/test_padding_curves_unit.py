@@ -324,3 +324,35 @@ def test_retention_curve_of_a_padded_corpus_pools_each_text_as_alone(model, side
     hooks = head_ablation_hooks(model, removed)
     ref = torch.cat([text_nll(model, t[None], hooks) for t in texts()]).mean()
     assert float(half["nll"].iloc[0]) == pytest.approx(float(ref), rel=1e-5)
+
+
+# --------------------------------------------------------------------------- the sink ablation's passes
+
+
+@pytest.mark.parametrize("side", SIDES)
+@pytest.mark.parametrize("mode", ["zero", "mean_norm"])
+def test_sink_ablation_of_a_padded_batch_equals_each_text_alone(model, side, mode) -> None:
+    """Position 0 is each text's first real token; pads are never targets, ablated, references of
+    "mean_norm", queries of the means over Q, nor keys of the cone direction."""
+    from mechgeom.analyses.sinks.ablation import sink_ablation
+
+    tokens, mask = padded(side, pad_id=3)
+    kw = dict(layers=[0, 1], heads=[0, 2], mode=mode, scale=0.5, sink_positions=[0, 1], batch_size=2)
+    batched = sink_ablation(model, tokens, attention_mask=mask, **kw)
+    assert batched.attention_mask is not None
+    lengths = batched.attention_mask.sum(-1).tolist()
+    assert lengths == list(LENGTHS) and all(
+        1 < int(c) < n for c, n in zip(batched.control_positions, LENGTHS, strict=True)
+    )
+    for b, t in enumerate(texts()):
+        alone = sink_ablation(model, t[None], **kw)
+        for cond in ("clean", "sink"):
+            assert float(batched.nll[cond][b]) == pytest.approx(float(alone.nll[cond][0]), rel=1e-5)
+            torch.testing.assert_close(
+                batched.out_norm[cond][b], alone.out_norm[cond][0], rtol=1e-5, atol=1e-6
+            )
+            torch.testing.assert_close(
+                batched.cone_cos[cond][b], alone.cone_cos[cond][0], rtol=1e-5, atol=1e-5
+            )
+    assert float((batched.nll["sink"] - batched.nll["clean"]).abs().max()) > 1e-4  # the ablation acts
+    assert not has_hooks(model)

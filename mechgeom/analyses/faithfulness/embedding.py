@@ -77,7 +77,7 @@ from mechgeom.analyses.faithfulness.rankings import (
     sweep_settings,
     unit_hash,
 )
-from mechgeom.analyses.scoring import bootstrap_ci
+from mechgeom.analyses.scoring import bootstrap_ci, right_align
 from mechgeom.hooks import (
     MODES,
     FwdHook,
@@ -390,35 +390,14 @@ class EmbeddingChange:
         return {"effect": effect, "n_tokens": batch.mask.sum(-1).cpu().numpy()}
 
 
-def _right_aligned(tokens: Tokens, mask: Bool[Tensor, "batch pos"]) -> tuple[Tokens, Tensor]:
-    """Each text's real tokens moved to the start of its row (right padding), the pads' ids kept after them.
-
-    An encoder's positions are absolute (BERT's position ids count from the row's first column), so a
-    left-padded text would be read at other positions than alone; right-aligned, it has its own. Raises
-    ``ValueError`` where a text's real tokens are not contiguous (padding inside a text)."""
-    pos = torch.arange(tokens.shape[1], device=mask.device)
-    first = torch.where(mask, pos, tokens.shape[1]).amin(-1)
-    span = torch.where(mask, pos, -1).amax(-1) - first + 1
-    gaps = (span != mask.sum(-1)).nonzero().flatten().tolist()
-    if gaps:
-        raise ValueError(
-            f"attention_mask marks padding inside text(s) {gaps}: a text's real tokens must be contiguous "
-            "(padding on the left or on the right only)"
-        )
-    if not bool(first.any()):
-        return tokens, mask
-    order = (pos[None, :] + first[:, None]) % tokens.shape[1]  # [batch, pos]: real tokens first
-    return tokens.gather(1, order.to(tokens.device)), mask.gather(1, order)
-
-
 def _encoder_units(
     model: Any, tokens_or_text: Tensor | str | Sequence[str], attention_mask: Tensor | None
 ) -> Units:
     """The texts as units: ids and real-token mask on the CPU, named by the hash of their real tokens; a
-    left-padded batch (``padding_side="left"``, or such a mask) is right-aligned (:func:`_right_aligned`)."""
+    left-padded batch (``padding_side="left"``, or such a mask) is right-aligned (:func:`~mechgeom.analyses.scoring.right_align`: BERT's positions are absolute)."""
     tokens = to_tokens(model, tokens_or_text, what="embedding faithfulness", encoders=True)
     mask = _check_mask(model, tokens, attention_mask)
-    tokens, mask = _right_aligned(tokens, mask)
+    tokens, mask = right_align(tokens, mask)
     hashes = [unit_hash(tokens[t][mask[t]]) for t in range(tokens.shape[0])]
     return Units(tokens=tokens.cpu(), mask=mask.cpu(), hashes=hashes)
 
