@@ -356,3 +356,14 @@ def test_sink_ablation_of_a_padded_batch_equals_each_text_alone(model, side, mod
             )
     assert float((batched.nll["sink"] - batched.nll["clean"]).abs().max()) > 1e-4  # the ablation acts
     assert not has_hooks(model)
+
+
+@pytest.mark.parametrize("side", SIDES)
+def test_ranking_table_of_a_padded_batch_has_only_real_pairs(model, side) -> None:
+    tokens, mask = padded(side)
+    ranking = source_rankings(model, tokens, ["attention"], attention_mask=mask)["attention"]
+    frame = ranking.to_frame(layer=0)
+    for b, n in enumerate(LENGTHS):
+        rows = frame[frame["batch"] == b]
+        assert len(rows) == 4 * n * (n + 1) // 2  # 4 heads x the text's own (query, key <= query) pairs
+        assert mask[b, rows["query"].to_numpy()].all() and mask[b, rows["key"].to_numpy()].all()

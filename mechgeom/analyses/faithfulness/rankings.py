@@ -275,7 +275,8 @@ class SourceRanking(Result):
         """Tidy table: ``batch, layer, head, query, key, rank`` for ``key <= query`` (head -1 = whole layer).
 
         ``batch`` (default: every text) and ``layer`` are checked: out of range raises ``IndexError`` naming
-        the valid range."""
+        the valid range. A padded batch's table has only real sources of real queries (positions in the
+        padded batch); pads are not ranked among them."""
         frames = []
         sel = self.layers if layer is None else [layer]
         for la in sel:
@@ -285,6 +286,10 @@ class SourceRanking(Result):
             for b in check_indices(batch, self.ranks[la].shape[0], "batch"):
                 r = self.ranks[la][b]  # [rank_head, q, k]
                 qq, kk = torch.tril_indices(r.shape[-2], r.shape[-1])
+                if self.n_sources is not None:  # a real source of a real query ranks below its count
+                    n = self.n_sources[b].cpu()[qq]  # [pairs]
+                    real = (r.cpu()[:, qq, kk].long() < n).all(0)
+                    qq, kk = qq[real], kk[real]
                 for h in range(r.shape[0]):
                     frames.append(
                         pd.DataFrame(
