@@ -13,9 +13,10 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
+from mechgeom import hooks as mg_hooks
 from mechgeom.analyses.faithfulness.curves import perplexity_curves
 from mechgeom.analyses.scoring import perplexity, text_nll
-from mechgeom.hooks import has_hooks, to_batch
+from mechgeom.hooks import has_hooks
 
 pytestmark = pytest.mark.integration
 
@@ -51,10 +52,15 @@ def test_smollm2_texts_alone_have_the_issue_numbers(smollm2) -> None:
 
 def test_smollm2_padded_batch_scores_each_text_as_alone(smollm2, padding_side) -> None:
     texts = [CAT, IOI]
-    tokens, mask = to_batch(smollm2, texts)
+    sweep = {k: v for k, v in SWEEP.items() if k != "per_text"}
+    # the pooled PPL keeps docs/definitions.md §3.4: exp of the mean over texts of each text's mean NLL
+    table = perplexity_curves(smollm2, texts, **sweep)
+    pooled = math.exp((math.log(ALONE_PPL[CAT]) + math.log(ALONE_PPL[IOI])) / 2)  # 1571.4
+    assert table["clean_ppl"].iloc[0] == pytest.approx(pooled, rel=1e-4)  # not 106.9 (pads scored)
+    # the batch: the short text is padded on the tokenizer's side
+    tokens, mask = mg_hooks.to_batch(smollm2, texts)
     assert mask is not None and mask.sum(-1).tolist() == [4, 14]
-    pad_col = 0 if padding_side == "left" else -1
-    assert not bool(mask[0, pad_col])  # the short text is padded on that side
+    assert not bool(mask[0, 0 if padding_side == "left" else -1])
     # the scoring layer: each text's mean NLL over its own predictions
     nll = text_nll(smollm2, tokens, attention_mask=mask)
     np.testing.assert_allclose(nll.exp().numpy(), [ALONE_PPL[CAT], ALONE_PPL[IOI]], rtol=1e-4)
@@ -68,8 +74,4 @@ def test_smollm2_padded_batch_scores_each_text_as_alone(smollm2, padding_side) -
         np.testing.assert_allclose(mine["clean_ppl"], alone["clean_ppl"], rtol=1e-5)
         np.testing.assert_allclose(mine["ppl"], alone["ppl"], rtol=1e-5)
         assert (mine["unit_hash"] == alone["unit_hash"]).all()
-    # the pooled PPL keeps docs/definitions.md §3.4: exp of the mean over texts of each text's mean NLL
-    table = perplexity_curves(smollm2, texts, **{**SWEEP, "per_text": False})
-    pooled = math.exp((math.log(ALONE_PPL[CAT]) + math.log(ALONE_PPL[IOI])) / 2)
-    assert table["clean_ppl"].iloc[0] == pytest.approx(pooled, rel=1e-4)  # not 106.9 (pads scored)
     assert not has_hooks(smollm2)
