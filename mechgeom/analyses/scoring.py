@@ -22,7 +22,7 @@ import pandas as pd
 import torch
 
 from mechgeom._progress import progress
-from mechgeom.hooks import FwdHook, run_hooks
+from mechgeom.hooks import FwdHook, check_attention_mask, pass_mask, run_hooks
 from mechgeom.models.adapter import adapter
 from mechgeom.typing import Bool, Float, Tensor, Tokens
 
@@ -32,6 +32,8 @@ __all__ = [
     "encode_choices",
     "perplexity",
     "predicted_correct",
+    "prediction_targets",
+    "right_align",
     "score_choices",
     "target_logprob",
     "task_accuracy",
@@ -44,10 +46,65 @@ __all__ = [
 # --------------------------------------------------------------------------- next-token loss
 
 
+def prediction_targets(
+    attention_mask: Bool[Tensor, "batch pos"] | Tensor | None, batch: int, pos: int
+) -> Bool[Tensor, "batch pos_minus_1"]:
+    """Which next-token predictions of a padded batch count: the prediction at ``t`` (of token ``t + 1``)
+    where both tokens are real, so a pad is never a target and never predicts one (left or right padding).
+    Without a mask, every prediction.
+
+    >>> prediction_targets(torch.tensor([[0, 1, 1, 1], [1, 1, 0, 0]]), 2, 4).tolist()
+    [[False, True, True], [True, False, False]]
+    """
+    if attention_mask is None:
+        return torch.ones(batch, pos - 1, dtype=torch.bool)
+    m = attention_mask.detach().cpu().bool()
+    return m[:, :-1] & m[:, 1:]
+
+
+def right_align(tokens: Tokens, mask: Bool[Tensor, "batch pos"]) -> tuple[Tokens, Bool[Tensor, "batch pos"]]:
+    """Each text's real tokens moved to the start of its row (right padding), the pads' ids after them.
+
+    Where positions are read from the row's first column (an encoder's absolute positions, the sink set
+    ``S`` of the sink analyses), a left-padded text would sit at other positions than alone; right-aligned,
+    it has its own, and causal attention keeps the pads after it out of every real position.
+
+    Raises:
+        ValueError: a text whose real tokens are not contiguous (padding inside a text).
+
+    >>> t, m = right_align(torch.tensor([[9, 1, 2], [3, 4, 5]]), torch.tensor([[False, True, True], [True] * 3]))
+    >>> t.tolist(), m.tolist()
+    ([[1, 2, 9], [3, 4, 5]], [[True, True, False], [True, True, True]])
+    """
+    pos = torch.arange(tokens.shape[1], device=mask.device)
+    first = torch.where(mask, pos, tokens.shape[1]).amin(-1)
+    span = torch.where(mask, pos, -1).amax(-1) - first + 1
+    gaps = (span != mask.sum(-1)).nonzero().flatten().tolist()
+    if gaps:
+        raise ValueError(
+            f"attention_mask marks padding inside text(s) {gaps}: a text's real tokens must be contiguous "
+            "(padding on the left or on the right only)"
+        )
+    if not bool(first.any()):
+        return tokens, mask
+    order = (pos[None, :] + first[:, None]) % tokens.shape[1]  # [batch, pos]: real tokens first
+    return tokens.gather(1, order.to(tokens.device)), mask.gather(1, order)
+
+
+def _padded(attention_mask: Tensor | None) -> Tensor | None:
+    """The mask as bools, or ``None`` when it marks no padding (then the plain forward runs)."""
+    if attention_mask is None:
+        return None
+    mask = attention_mask.bool()
+    return None if bool(mask.all()) else mask
+
+
 def token_nll(
     model: Any,
     inputs: Tokens | Float[Tensor, "batch pos d_model"],
     fwd_hooks: Sequence[FwdHook] = (),
+    *,
+    attention_mask: Bool[Tensor, "batch pos"] | None = None,
     **forward_kwargs: Any,
 ) -> Float[Tensor, "batch pos_minus_1"]:
     """Next-token NLL ``-log p(t_{i+1} | t_<=i)`` at every position, float32 on the CPU.
@@ -55,14 +112,43 @@ def token_nll(
     One forward under ``torch.no_grad()`` with ``fwd_hooks`` attached (removed afterwards, also on error),
     TransformerLens' ``return_type="loss", loss_per_token=True``. ``forward_kwargs`` go to the model, e.g.
     ``start_at_layer=l, tokens=tokens`` to run from a residual stream ``inputs``.
+
+    Args:
+        attention_mask: ``[batch, pos]``, 1 at real tokens, 0 at padding (left or right). The forward then
+            runs with it (padded keys are out of every query's attention, positions are those of each text
+            alone) and tells mechgeom's readers (:func:`~mechgeom.hooks.pass_mask`); the NLL is 0 at every
+            prediction that is not a target (:func:`prediction_targets`: a pad, or the prediction of one).
+            ``None`` or a mask without padding runs the plain forward.
+
+    Returns:
+        ``[batch, pos - 1]``: the NLL of the prediction at ``t`` of token ``t + 1``.
     """
-    with torch.no_grad(), model.hooks(fwd_hooks=list(fwd_hooks), reset_hooks_end=True):
-        loss = model(inputs, return_type="loss", loss_per_token=True, **forward_kwargs)
-    return loss.float().cpu()
+    mask = _padded(attention_mask)
+    if mask is None:
+        with torch.no_grad(), model.hooks(fwd_hooks=list(fwd_hooks), reset_hooks_end=True):
+            loss = model(inputs, return_type="loss", loss_per_token=True, **forward_kwargs)
+        return loss.float().cpu()
+    kwargs = adapter(model).forward_kwargs(return_type="logits", attention_mask=mask)
+    tokens = forward_kwargs.get("tokens", inputs)
+    with (
+        torch.no_grad(),
+        pass_mask(mask.to(tokens.device)),
+        model.hooks(fwd_hooks=list(fwd_hooks), reset_hooks_end=True),
+    ):
+        logits = model(inputs, **kwargs, **forward_kwargs)  # [batch, pos, d_vocab]
+    logp = logits[:, :-1].float().log_softmax(dim=-1)
+    picked = logp.gather(-1, tokens[:, 1:, None].to(logp.device))[..., 0].cpu()  # [batch, pos-1]
+    targets = prediction_targets(mask, *tokens.shape)
+    return torch.where(targets, -picked, torch.zeros_like(picked))
 
 
 def target_logprob(
-    model: Any, tokens: Tokens, targets: Bool[Tensor, "batch pos_minus_1"], fwd_hooks: Sequence[FwdHook] = ()
+    model: Any,
+    tokens: Tokens,
+    targets: Bool[Tensor, "batch pos_minus_1"],
+    fwd_hooks: Sequence[FwdHook] = (),
+    *,
+    attention_mask: Bool[Tensor, "batch pos"] | None = None,
 ) -> Float[Tensor, " batch"]:
     """``sum`` of ``log p(token[t+1] | tokens[:t+1])`` over the predictions ``t`` where ``targets`` is true.
 
@@ -74,14 +160,22 @@ def target_logprob(
     (:meth:`~mechgeom.models.adapter.ModelAdapter.logits`). With a 262k vocabulary (Gemma 3) the full
     unembedding is most of a forward pass. Other backends, or targets that cover every position, take the
     plain path.
+
+    ``attention_mask`` (``[batch, pos]``, 1 at real tokens) runs the forward with the padding masked
+    (:func:`token_nll`); a target at a pad or predicting one is dropped (:func:`prediction_targets`).
     """
+    mask = _padded(attention_mask)
+    if mask is not None:
+        targets = targets & prediction_targets(mask, *tokens.shape).to(targets.device)
     cols = targets.any(0).nonzero().squeeze(-1)  # [n_cols] prediction positions any row scores
     backend = adapter(model)
     if not backend.unembeds_positions or cols.numel() == targets.shape[1]:
-        loss = token_nll(model, tokens, fwd_hooks)  # [batch, pos-1], float32 on the CPU
+        loss = token_nll(model, tokens, fwd_hooks, attention_mask=mask)  # [batch, pos-1], float32, CPU
         return -(loss * targets.to(loss.device)).sum(-1)
-    with torch.no_grad(), model.hooks(fwd_hooks=list(fwd_hooks), reset_hooks_end=True):
-        resid = model(tokens, stop_at_layer=model.cfg.n_layers)  # [batch, pos, d_model], before ln_final
+    resid = run_hooks(
+        model, tokens, fwd_hooks, stop_at_layer=model.cfg.n_layers, attention_mask=mask
+    )  # [batch, pos, d_model], before ln_final
+    with torch.no_grad():
         logits = backend.logits(resid[:, cols.to(resid.device)])  # [batch, n_cols, d_vocab]
     logp = logits.float().log_softmax(dim=-1)
     nxt = tokens[:, cols + 1].to(logp.device)  # [batch, n_cols] the predicted tokens
@@ -94,29 +188,57 @@ def text_nll(
     tokens: Tokens,
     fwd_hooks: Sequence[FwdHook] | Callable[[slice], Sequence[FwdHook]] = (),
     *,
+    attention_mask: Bool[Tensor, "batch pos"] | None = None,
     batch_size: int = 8,
     verbose: bool = False,
     desc: str = "nll",
 ) -> Float[Tensor, " batch"]:
-    """Mean next-token NLL of each text (``[n_texts]``, the mean of :func:`token_nll` over positions).
+    """Mean next-token NLL of each text (``[n_texts]``) over its predicted tokens.
 
     ``fwd_hooks`` may be a callable ``batch_slice -> hooks`` for hooks that depend on which texts are
     in the batch (per-text masks). Hooks are removed after every batch, also on error.
+
+    ``attention_mask`` (``[n_texts, pos]``, 1 at real tokens, left or right padding) runs each batch with
+    its rows of the mask; a text's mean is then over its own real predictions only
+    (:func:`prediction_targets`), the number it has when run alone. Every text needs two real tokens.
     """
     if tokens.ndim != 2 or tokens.shape[0] == 0 or tokens.shape[1] < 2:
         raise ValueError(f"need [n_texts >= 1, pos >= 2] tokens, got shape {tuple(tokens.shape)}")
+    mask = _padded(attention_mask)
+    if mask is not None:
+        check_attention_mask(mask, tokens)
+        short = (prediction_targets(mask, *tokens.shape).sum(-1) == 0).nonzero().flatten().tolist()
+        if short:
+            raise ValueError(
+                f"text(s) {short} have fewer than 2 real tokens, so nothing to predict: drop them or mark "
+                "their tokens 1 in attention_mask"
+            )
     out = []
     starts = range(0, tokens.shape[0], batch_size)
     for start in progress(starts, desc=desc, enabled=verbose, total=len(starts)):
         sl = slice(start, min(start + batch_size, tokens.shape[0]))
         hooks = fwd_hooks(sl) if callable(fwd_hooks) else fwd_hooks
-        out.append(token_nll(model, tokens[sl].to(model.cfg.device), hooks).mean(dim=-1))
+        sub = None if mask is None else mask[sl].to(model.cfg.device)
+        loss = token_nll(model, tokens[sl].to(model.cfg.device), hooks, attention_mask=sub)
+        n = prediction_targets(sub, int(loss.shape[0]), int(tokens.shape[1])).sum(-1)
+        out.append(loss.sum(dim=-1) / n)
     return torch.cat(out)
 
 
-def perplexity(model: Any, tokens: Tokens, fwd_hooks: Sequence[FwdHook] = (), **kwargs: Any) -> float:
-    """``exp(mean NLL)`` over every predicted token of every text (equal-length windows)."""
-    return float(torch.exp(text_nll(model, tokens, fwd_hooks, **kwargs).mean()))
+def perplexity(
+    model: Any,
+    tokens: Tokens,
+    fwd_hooks: Sequence[FwdHook] = (),
+    *,
+    attention_mask: Bool[Tensor, "batch pos"] | None = None,
+    **kwargs: Any,
+) -> float:
+    """``exp`` of the mean over texts of each text's mean next-token NLL (:func:`text_nll`); for
+    equal-length windows, ``exp`` of the mean over every predicted token. ``attention_mask`` as in
+    :func:`text_nll`: each text's mean is over its real predictions, as when it runs alone."""
+    return float(
+        torch.exp(text_nll(model, tokens, fwd_hooks, attention_mask=attention_mask, **kwargs).mean())
+    )
 
 
 def bootstrap_ci(

@@ -43,6 +43,7 @@ __all__ = [
     "affected_heads",
     "check_mode",
     "check_rate",
+    "decoder_source_counts",
     "head_ablation_hooks",
     "kv_groups",
     "mask_sources_hook",
@@ -160,30 +161,41 @@ def rank_sources(
     real key (NaN included), by position, and are never removed when the removal counts are the numbers of
     real keys (``n_sources`` of :func:`removal_mask`).
 
+    ``causal=True`` with ``key_mask`` (a padded decoder batch, left or right padding): the sources of query
+    ``i`` are its real keys ``j <= i``; padded keys rank after them (NaN included), then the keys after the
+    query, each group by position. With ``n_sources`` = each query's position inside its own text + 1 (0 at
+    a padded query, :func:`decoder_source_counts`) a removal never touches a pad, and the real sources get
+    the ranks they get when the text runs alone.
+
     >>> rank_sources(torch.tensor([[1.0, 0.0, 0.0], [0.2, 0.5, 0.0], [0.3, 0.3, 0.4]])).tolist()
     [[0, 1, 2], [1, 0, 2], [1, 2, 0]]
     >>> rank_sources(torch.tensor([[0.0, 0.5, 9.0], [0.2, float("nan"), 0.1]]), causal=False,
     ...              key_mask=torch.tensor([True, True, False])).tolist()
     [[1, 0, 2], [0, 1, 2]]
+    >>> rank_sources(torch.tensor([[[9.0, 0.0, 0.0], [9.0, 0.2, 0.0], [9.0, 0.3, 0.4]]]),
+    ...              key_mask=torch.tensor([[False, True, True]])).tolist()
+    [[[0, 1, 2], [1, 0, 2], [2, 1, 0]]]
     """
     if not causal:
         return _rank_all_keys(scores, key_mask)
-    if key_mask is not None:
-        raise ValueError("key_mask marks an encoder's padding: give it with causal=False")
     q, k = scores.shape[-2:]
     if q > k:
         raise ValueError(f"scores have more queries ({q}) than keys ({k})")
     future = torch.ones(q, k, dtype=torch.bool, device=scores.device).triu(diagonal=1 + k - q)
     s = torch.where(torch.isnan(scores) | future, torch.full_like(scores, -math.inf), scores)
-    return stable_ranks(s, descending=True, dtype=rank_dtype(k))
-
-
-def _rank_all_keys(scores: Tensor, key_mask: Tensor | None) -> Tensor:
-    """:func:`rank_sources` of an encoder: every key competes; padded keys (``~key_mask``) rank last."""
-    k = scores.shape[-1]
-    s = torch.where(torch.isnan(scores), torch.full_like(scores, -math.inf), scores)
     if key_mask is None:
         return stable_ranks(s, descending=True, dtype=rank_dtype(k))
+    pad = ~_key_mask_like(scores, key_mask)  # [*batch, 1, k]
+    # real past keys first (by score, NaN last), then padded keys, then future keys, each by position
+    late = future.long() * 2 * k + pad.long() * k
+    rank = stable_ranks(s, descending=True, dtype=torch.long) + late
+    return stable_ranks(rank, descending=False, dtype=rank_dtype(k))
+
+
+def _key_mask_like(scores: Tensor, key_mask: Tensor) -> Tensor:
+    """``key_mask`` (``[key_pos]`` or ``[batch, key_pos]`` bools) shaped to broadcast against ``scores``
+    ``[*batch, q, k]``: ``[k]`` or ``[batch, 1, ..., k]``."""
+    k = scores.shape[-1]
     if key_mask.dtype != torch.bool or key_mask.ndim not in (1, 2) or key_mask.shape[-1] != k:
         raise ValueError(
             f"key_mask must be a boolean [key_pos] or [batch, key_pos] tensor with {k} keys, "
@@ -193,7 +205,27 @@ def _rank_all_keys(scores: Tensor, key_mask: Tensor | None) -> Tensor:
         if scores.ndim < 3 or key_mask.shape[0] != scores.shape[0]:
             raise ValueError(f"key_mask {tuple(key_mask.shape)} does not fit scores {tuple(scores.shape)}")
         key_mask = key_mask.view(key_mask.shape[0], *[1] * (scores.ndim - 2), k)
-    pad = (~key_mask.to(scores.device)).long() * k  # padded keys: after every real key, in rank order
+    return key_mask.to(scores.device)
+
+
+def decoder_source_counts(key_mask: Bool[Tensor, "batch pos"]) -> Int[Tensor, "batch pos"]:
+    """The number of sources of each query of a padded decoder batch: its position inside its own text + 1,
+    0 at a padded query (``n_sources`` of :func:`removal_mask` and :func:`masking_hooks`).
+
+    >>> decoder_source_counts(torch.tensor([[False, True, True], [True, True, False]])).tolist()
+    [[0, 1, 2], [1, 2, 0]]
+    """
+    m = key_mask.bool()
+    return torch.where(m, m.long().cumsum(-1), torch.zeros_like(m, dtype=torch.long))
+
+
+def _rank_all_keys(scores: Tensor, key_mask: Tensor | None) -> Tensor:
+    """:func:`rank_sources` of an encoder: every key competes; padded keys (``~key_mask``) rank last."""
+    k = scores.shape[-1]
+    s = torch.where(torch.isnan(scores), torch.full_like(scores, -math.inf), scores)
+    if key_mask is None:
+        return stable_ranks(s, descending=True, dtype=rank_dtype(k))
+    pad = (~_key_mask_like(scores, key_mask)).long() * k  # padded keys: after every real key, in rank order
     rank = stable_ranks(s, descending=True, dtype=torch.long) + pad
     return stable_ranks(rank, descending=False, dtype=rank_dtype(k))
 
@@ -296,7 +328,10 @@ def masking_hooks(
 
     With a ranking, ``n_sources`` (``[batch, q]``) replaces the decoder's ``i+1`` sources of query ``i``:
     an encoder ranks every real key (:func:`rank_sources` with ``causal=False``), so its counts are the
-    numbers of real keys (0 at a padded query).
+    numbers of real keys (0 at a padded query); a padded decoder batch counts each query's real sources
+    (:func:`decoder_source_counts`). Without ``n_sources``, the ranking's own ``n_sources`` is used when it
+    has one (a :class:`SourceRanking` of a padded batch carries it), so a pad is never removed and a padded
+    query removes nothing.
 
     Removal sets ``alpha[h,i,j] = 0`` without renormalising. The pairs compose with any other hooks.
     """
@@ -330,6 +365,8 @@ def masking_hooks(
     missing = [la for la in chosen if la not in ranking.ranks]
     if missing:
         raise ValueError(f"layer(s) {missing} were not ranked; the ranking covers layers {ranking.layers}")
+    if n_sources is None:
+        n_sources = getattr(ranking, "n_sources", None)
     for layer in chosen:
         ranks = ranking.ranks[layer]
         lo, hi = _bounds(rate, mode, ranks, n_sources)
@@ -443,14 +480,21 @@ def ablate_value_hook(
     sinks: list[int],
     mode: str,
     scale: float,
+    key_mask: Bool[Tensor, "batch pos"] | None = None,
 ) -> Float[Tensor, "batch pos kv_head d_head"]:
     # v: [batch pos kv_head d_head] (not GQA-expanded). Ablate v[b, p, kv] for p in positions[b].
+    # key_mask [batch pos]: the real tokens; a pad is never a reference of "mean_norm" nor ablated.
     if mode == "unchanged":
         return v
     batch, pos, n_kv, _ = v.shape
     if max(kv_heads) >= n_kv:
         raise IndexError(f"KV head {max(kv_heads)} out of range for hook_v with {n_kv} KV heads")
     target = _positions_mask(positions.to(v.device), batch, pos)  # [b pos]
+    real = None if key_mask is None else key_mask.to(v.device).bool()
+    if real is not None:
+        if tuple(real.shape) != (batch, pos):
+            raise ValueError(f"key_mask {tuple(real.shape)} does not fit hook_v [batch={batch}, pos={pos}]")
+        target = target & real
     kv_sel = torch.zeros(n_kv, dtype=torch.bool, device=v.device)
     kv_sel[kv_heads] = True
     sel = target[:, :, None] & kv_sel[None, None, :]  # [b pos kv]
@@ -461,6 +505,8 @@ def ablate_value_hook(
     else:  # mean_norm: the mean value-space norm of the positions neither ablated nor sinks
         norms = v.norm(dim=-1)  # [b pos kv]
         ref = ~target & ~sink_mask(sinks, pos, v.device)[None, :]  # [b pos]
+        if real is not None:
+            ref = ref & real
         ref_norm = masked_mean(norms, ref[:, :, None].expand_as(norms), dim=1)  # [b kv]
         factor = torch.where(norms > 0, ref_norm[:, None, :] / norms.clamp_min(1e-30), 1.0)  # zero stays zero
         new = v * (scale * factor)[..., None]
@@ -476,6 +522,7 @@ def sink_value_hooks(
     scale: float = 1.0,
     sink_positions: int | Sequence[int] | None = None,
     positions: Sequence[int] | Tensor | None = None,
+    key_mask: Bool[Tensor, "batch pos"] | None = None,
 ) -> list[FwdHook]:
     """Hooks on ``hook_v`` that ablate the sink value in ``layers`` and ``heads`` (default: all).
 
@@ -490,6 +537,9 @@ def sink_value_hooks(
     ``positions`` replaces the sink set as the ablated positions (the random-position control):
     shared ``[n]`` or per text ``[batch, n]`` (then the batch must match). The norm reference of
     ``"mean_norm"`` excludes both the ablated positions and the sink set.
+
+    ``key_mask`` (``[batch, pos]`` bools, True at real tokens; the batch must match) marks a padded batch's
+    pads: a pad is never ablated and never part of the ``"mean_norm"`` reference.
     """
     if mode not in VALUE_ABLATION_MODES:
         raise ValueError(f"unknown ablation mode {mode!r}; choose from {list(VALUE_ABLATION_MODES)}")
@@ -504,6 +554,7 @@ def sink_value_hooks(
         sinks=sinks,
         mode=mode,
         scale=float(scale),
+        key_mask=key_mask,
     )
     return [(hook_name(layer, "v"), fn) for layer in resolve_layers(model, layers)]
 

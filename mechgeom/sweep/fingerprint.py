@@ -415,13 +415,27 @@ def weights_digest(model: Any, *, threads: int = 4) -> str:
     return f"sha256:{h.hexdigest()[:DIGEST_CHARS]}"
 
 
-def tokens_hash(tokens: Any) -> str:
+def tokens_hash(tokens: Any, *, attention_mask: Any = None) -> str:
     """Content hash of a token tensor or array (its shape and int64 values), 16 hex digits.
+
+    ``attention_mask`` (``[batch, pos]``, 1 at real tokens) is hashed with the tokens where it marks
+    padding: the same ids with another mask (other tokens scored, or padding on the other side) are other
+    numbers. A mask without padding, or none, gives the hash of the tokens alone (older fingerprints hold).
 
     >>> tokens_hash(np.array([[1, 2, 3]])) == tokens_hash([[1, 2, 3]])
     True
+    >>> tokens_hash([[1, 2, 3]], attention_mask=[[1, 1, 1]]) == tokens_hash([[1, 2, 3]])
+    True
+    >>> tokens_hash([[1, 2, 3]], attention_mask=[[0, 1, 1]]) == tokens_hash([[1, 2, 3]])
+    False
     """
     arr = np.asarray(tokens.detach().cpu() if hasattr(tokens, "detach") else tokens, dtype=np.int64)
     h = hashlib.sha256(str(arr.shape).encode())
     h.update(np.ascontiguousarray(arr).tobytes())
+    if attention_mask is not None:
+        mask = attention_mask.detach().cpu() if hasattr(attention_mask, "detach") else attention_mask
+        real = np.asarray(mask).astype(bool)
+        if not real.all():
+            h.update(b"mask")
+            h.update(np.packbits(real).tobytes())
     return h.hexdigest()[:16]

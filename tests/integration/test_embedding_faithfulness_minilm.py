@@ -38,3 +38,22 @@ def test_minilm_curves_are_sane_and_comprehensiveness_beats_sufficiency(minilm) 
     assert set(summary["modes"]) == {"comprehensiveness", "sufficiency"}
     for out in summary["modes"].values():
         assert out["verdict"] in ("holds", "holds up to ties", "does not hold")
+
+
+@pytest.mark.parametrize("side", ["right", "left"])
+def test_minilm_padded_batch_gives_each_text_its_effect_alone(minilm, side) -> None:
+    """Issue 35: a batch padded with MiniLM's [PAD] on either side (the tokenizer's padding_side) gives each
+    text the effect it has alone; BERT's positions are absolute, so a left-padded text is right-aligned."""
+    texts = ["The cat sat.", "When Mary and John went to the store, John gave a drink to"]
+    kw = dict(metrics=["attention", "random"], rates=[0.5], modes=["comprehensiveness"], n_boot=10)
+    alone = [embedding_curves(minilm, [t], **kw) for t in texts]
+    before = minilm.tokenizer.padding_side
+    minilm.tokenizer.padding_side = side
+    try:
+        batched = embedding_curves(minilm, texts, **kw)
+    finally:
+        minilm.tokenizer.padding_side = before
+    assert batched.n_tokens == [a.n_tokens[0] for a in alone] and len(set(batched.n_tokens)) == 2
+    for t, a in enumerate(alone):
+        assert batched.unit_hashes[t] == a.unit_hashes[0]
+        np.testing.assert_allclose(batched.effects[..., t], a.effects[..., 0], rtol=1e-5, atol=1e-6)

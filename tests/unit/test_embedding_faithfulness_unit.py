@@ -260,8 +260,12 @@ def test_padded_keys_rank_last_and_are_never_removed() -> None:
             assert counts.tolist() == [[c] * 4 for c in expect]
     full = removal_mask(ranks, 1.0, "comprehensiveness", n_src)
     assert torch.equal(full, (key_mask[:, None, :, None] & key_mask[:, None, None, :]).expand_as(full))
-    with pytest.raises(ValueError, match="causal=False"):
-        rank_sources(scores, key_mask=key_mask)
+    # a decoder's key_mask (issue 35: padded decoder batches) keeps the causal ranking where nothing is
+    # padding, and is checked like an encoder's
+    everything = torch.ones_like(key_mask)
+    assert torch.equal(rank_sources(scores, key_mask=everything), rank_sources(scores))
+    with pytest.raises(ValueError, match="key_mask"):
+        rank_sources(scores, key_mask=key_mask[:, :5])
 
 
 def test_counting_with_source_counts_and_the_decoder_default_unchanged() -> None:

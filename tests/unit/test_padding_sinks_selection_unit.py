@@ -343,15 +343,14 @@ def test_sink_query_frame_takes_negative_query_indices_inside_each_text() -> Non
         res.query_frame(queries=[-6])
 
 
-def test_sink_interventions_refuse_padding_with_the_ways_out() -> None:
-    """The mass and value interventions act at the same positions of every text: padding would move them,
-    so a padded batch is refused (it was silently analysed with its pads before) until they take it."""
-    from mechgeom.analyses.sinks import convexity_by_intervention, sink_ablation
+def test_the_mass_intervention_refuses_padding_with_the_ways_out() -> None:
+    """The mass intervention acts at the same positions of every text: padding would move them, so a padded
+    batch is refused (it was silently analysed with its pads before) until it takes it. The value ablation
+    (sink_ablation) takes padding: tests/unit/test_padding_curves_unit.py."""
+    from mechgeom.analyses.sinks import convexity_by_intervention
 
     model = make_tiny(n_kv=2, seed=25)
     tokens, mask = _padded(_texts(26), "left")
-    with pytest.raises(ValueError, match=r"does not take padding yet.*one text at a time"):
-        sink_ablation(model, tokens, attention_mask=mask)
     with pytest.raises(ValueError, match="does not take padding yet"):
         convexity_by_intervention(model, tokens, s_values=[0.5], layer=0, attention_mask=mask)
 

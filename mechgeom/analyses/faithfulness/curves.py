@@ -56,8 +56,14 @@ from mechgeom.analyses.faithfulness.rankings import (
     sweep_settings,
     unit_hash,
 )
-from mechgeom.analyses.scoring import bootstrap_ci, encode_choices, predicted_correct, target_logprob
-from mechgeom.hooks import MODES, FwdHook, check_decoder, to_tokens
+from mechgeom.analyses.scoring import (
+    bootstrap_ci,
+    encode_choices,
+    predicted_correct,
+    prediction_targets,
+    target_logprob,
+)
+from mechgeom.hooks import MODES, FwdHook, check_decoder, to_batch
 from mechgeom.sweep import Executor
 from mechgeom.typing import Tensor
 
@@ -77,7 +83,7 @@ class TargetLogprob:
 
     def measure(self, model: Any, batch: UnitBatch, hooks: Sequence[FwdHook]) -> Tensor:
         assert batch.targets is not None, "decoder units carry their targets"
-        return target_logprob(model, batch.tokens, batch.targets, hooks)
+        return target_logprob(model, batch.tokens, batch.targets, hooks, attention_mask=batch.mask)
 
     def clean_columns(self, batch: UnitBatch, clean: Tensor) -> dict[str, Any]:
         return self.masked_columns(batch, clean, clean)
@@ -110,12 +116,14 @@ def perplexity_curves(
     modes: Sequence[str] = MODES,
     layers: int | Sequence[int] | None = None,
     scope: str = "intra",
+    attention_mask: Tensor | None = None,
     batch_size: int = 8,
     seed: int = 0,
     n_boot: int = 1000,
     checkpoint: str | Path | None = None,
     extra_hooks: Sequence[FwdHook] = (),
     executor: Executor | None = None,
+    per_text: bool = False,
     verbose: bool = False,
 ) -> pd.DataFrame:
     """ΔPPL of next-token prediction when each metric's top (comprehensiveness) or bottom (sufficiency)
@@ -126,6 +134,13 @@ def perplexity_curves(
     :func:`mechgeom.analyses.scoring.perplexity`); ``ci_low``/``ci_high`` are a 95% percentile bootstrap over
     texts of ΔPPL (:func:`mechgeom.analyses.scoring.bootstrap_ci`, ``n_boot`` resamples, ``seed``).
 
+    **Padding.** Texts of different lengths are padded (``attention_mask``; for a list of texts the default
+    is derived by :func:`~mechgeom.hooks.to_batch`, on the tokenizer's ``padding_side``, left or right).
+    Every pass runs with the mask; a pad is never a target nor predicted (each text's mean NLL is over its
+    own real predictions), never ranked among a query's sources, never removed, and a padded query
+    removes nothing: a query ``i`` of a text has its ``i + 1`` real sources, ``i`` counted inside the text.
+    Each text's numbers are those it has run alone (to float rounding), and PPL pools them as above.
+
     One clean pass per batch of ``batch_size`` texts gives the clean loss and every ranking; each
     (metric, mode, rate > 0) then costs one masked forward; rate 0 is the clean pass. Metrics whose
     rankings coincide on a batch share their masked passes. Rankings come from the clean pass; the
@@ -133,14 +148,16 @@ def perplexity_curves(
     masked): "clean" then means the model with those hooks. ``verbose`` shows a progress bar.
 
     Returns a tidy DataFrame, one row per (metric, mode, rate): ``metric, mode, rate, ppl, delta_ppl,
-    delta_nll, ci_low, ci_high, clean_ppl, n_texts, layers, scope, seed``.
+    delta_nll, ci_low, ci_high, clean_ppl, n_texts, layers, scope, seed``. With ``per_text=True``, one row
+    per (metric, mode, rate, text) instead: ``metric, mode, rate, text, unit_hash, n_pred, nll, ppl,
+    clean_nll, clean_ppl, delta_nll, delta_ppl`` (the text's own numbers; ``text`` its index in the input).
 
     With ``checkpoint`` (``.csv`` or ``.parquet``) the table is written there atomically, and per-text
     results go to ``<stem>.per_text<suffix>`` after every masked pass; a rerun with the same settings
     (model, layers, scope, seed, ``extra_hooks`` by a stable repr) skips every (metric, mode, rate, text)
     already recorded, so an interrupted sweep resumes without duplicate or lost rows (texts are matched by
-    content, so a larger corpus that starts with the same windows extends an earlier run). Different
-    settings raise ``ValueError``.
+    the content of their real tokens, so a larger corpus that starts with the same windows extends an
+    earlier run, and a text's rows serve it whatever its padding). Different settings raise ``ValueError``.
 
     ``executor`` runs the sweep's items elsewhere, e.g. :class:`mechgeom.sweep.RayExecutor` on actors that
     each load the same model by name (default: in this process, on ``model``); the table is the same.
@@ -154,29 +171,80 @@ def perplexity_curves(
         )
     if not isinstance(tokens, Tensor) and not isinstance(tokens, str) and len(tokens) == 0:
         raise ValueError("empty corpus: give at least one text")
-    toks = to_tokens(model, tokens, min_pos=2, what="perplexity (a token to predict)").cpu()
-    if toks.shape[1] < 2:
-        raise ValueError(f"texts need at least 2 tokens to predict one, got {toks.shape[1]}")
+    units = _text_units(model, tokens, attention_mask)
     path = check_checkpoint(checkpoint)
-    n, pos = toks.shape
-    units = Units.prefixes(
-        toks, [pos] * n, [unit_hash(t) for t in toks], torch.ones(n, pos - 1, dtype=torch.bool)
-    )
     record, settings = _decoder_record(
         model, units, checked, batch_size=int(batch_size), seed=seed,
         record=None if path is None else record_path(path, "per_text"),
         extra_hooks=extra_hooks, executor=executor, verbose=verbose, by_length=False,
     )  # fmt: skip
     frame = _ppl_summary(record, units.hashes, checked, n_boot=n_boot, seed=seed)
+    n = len(units.hashes)
     frame = frame.assign(n_texts=n, layers=settings["layers"], scope=settings["scope"], seed=seed)
     if path is not None:
         write_frame(frame, path)
-    return frame
+    return _ppl_per_text(record, units.hashes, checked) if per_text else frame
+
+
+def _text_units(model: Any, tokens_or_text: Any, attention_mask: Tensor | None) -> Units:
+    """Texts as decoder units (:func:`~mechgeom.hooks.to_batch`): ids and real-token mask on the CPU, the
+    targets every prediction between two real tokens, named by the content hash of the real tokens (an
+    unpadded text keeps the name it always had)."""
+    toks, mask = to_batch(
+        model,
+        tokens_or_text,
+        attention_mask=attention_mask,
+        min_pos=2,
+        what="perplexity (a token to predict)",
+    )
+    toks = toks.cpu()
+    if toks.shape[1] < 2:
+        raise ValueError(f"texts need at least 2 tokens to predict one, got {toks.shape[1]}")
+    real = torch.ones(toks.shape, dtype=torch.bool) if mask is None else mask.cpu()
+    pos = torch.arange(toks.shape[1])
+    span = torch.where(real, pos, -1).amax(-1) - torch.where(real, pos, toks.shape[1]).amin(-1) + 1
+    gaps = (span != real.sum(-1)).nonzero().flatten().tolist()
+    if gaps:
+        raise ValueError(
+            f"attention_mask marks padding inside text(s) {gaps}: a text's real tokens must be contiguous "
+            "(padding on the left or on the right only)"
+        )
+    hashes = [unit_hash(toks[t][real[t]]) for t in range(toks.shape[0])]
+    return Units(toks, real, hashes, prediction_targets(real, *toks.shape))
 
 
 def _delta_ppl(x: np.ndarray) -> float:
     """ΔPPL of resampled rows ``[masked NLL, clean NLL]``: ``exp(mean masked) − exp(mean clean)``."""
     return float(np.exp(x[:, 0].mean()) - np.exp(x[:, 1].mean()))
+
+
+def _ppl_per_text(record: pd.DataFrame, hashes: list[str], checked: SweepSettings) -> pd.DataFrame:
+    """One row per (metric, mode, rate, text): the text's own NLL and PPL, masked and clean."""
+    clean_key = (CLEAN, CLEAN, 0.0)
+    n_pred = unit_values(record, clean_key, hashes, "n_pred")
+    clean = -unit_values(record, clean_key, hashes, "logprob") / n_pred
+    frames = []
+    for m, mode, r in itertools.product(checked.metrics, checked.modes, checked.rates):
+        nll = clean if r == 0 else -unit_values(record, (m, mode, r), hashes, "logprob") / n_pred
+        frames.append(
+            pd.DataFrame(
+                {
+                    "metric": m,
+                    "mode": mode,
+                    "rate": r,
+                    "text": np.arange(len(hashes)),
+                    "unit_hash": hashes,
+                    "n_pred": n_pred.astype(np.int64),
+                    "nll": nll,
+                    "ppl": np.exp(nll),
+                    "clean_nll": clean,
+                    "clean_ppl": np.exp(clean),
+                    "delta_nll": nll - clean,
+                    "delta_ppl": np.exp(nll) - np.exp(clean),
+                }
+            )
+        )
+    return pd.concat(frames, ignore_index=True)
 
 
 def _ppl_summary(

@@ -27,7 +27,9 @@ the **sentence embedding** ``e``: the final hidden states mean-pooled over the r
   NaN below every finite value (:func:`mechgeom.hooks.rank_sources` with ``causal=False``).
 - **Padding.** Padded keys (attention mask 0) are neither sources nor queries: they rank after every real
   key and are never removed; padded queries remove nothing. Their pattern is 0 anyway and the pooling skips
-  them, so a text in a padded batch has the effect it has alone.
+  them, so a text in a padded batch has the effect it has alone. A left-padded batch (the tokenizer's
+  ``padding_side="left"``, or such a mask) is right-aligned first: an encoder's positions are absolute,
+  so a text must start at position 0 to be read as alone.
 - **Random control.** ``"random"`` ranks by uniform noise over the real tokens, seeded with
   ``(seed, content hash of the text's real tokens, layer)`` (as :mod:`mechgeom.analyses.faithfulness.rankings`):
   reproducible for a seed, independent of the batch and of the padding.
@@ -75,7 +77,7 @@ from mechgeom.analyses.faithfulness.rankings import (
     sweep_settings,
     unit_hash,
 )
-from mechgeom.analyses.scoring import bootstrap_ci
+from mechgeom.analyses.scoring import bootstrap_ci, right_align
 from mechgeom.hooks import (
     MODES,
     FwdHook,
@@ -391,9 +393,11 @@ class EmbeddingChange:
 def _encoder_units(
     model: Any, tokens_or_text: Tensor | str | Sequence[str], attention_mask: Tensor | None
 ) -> Units:
-    """The texts as units: ids and real-token mask on the CPU, named by the hash of their real tokens."""
+    """The texts as units: ids and real-token mask on the CPU, named by the hash of their real tokens; a
+    left-padded batch (``padding_side="left"``, or such a mask) is right-aligned (:func:`~mechgeom.analyses.scoring.right_align`: BERT's positions are absolute)."""
     tokens = to_tokens(model, tokens_or_text, what="embedding faithfulness", encoders=True)
     mask = _check_mask(model, tokens, attention_mask)
+    tokens, mask = right_align(tokens, mask)
     hashes = [unit_hash(tokens[t][mask[t]]) for t in range(tokens.shape[0])]
     return Units(tokens=tokens.cpu(), mask=mask.cpu(), hashes=hashes)
 

@@ -40,7 +40,7 @@ import pandas as pd
 import torch
 
 from mechgeom.analyses.faithfulness.rankings import RankingPass, SourceRanking, SweepSettings, rate_key
-from mechgeom.hooks import FwdHook, masking_hooks
+from mechgeom.hooks import FwdHook, decoder_source_counts, masking_hooks
 from mechgeom.sweep import Executor, Item, RowStore, executor_for, run_sweep
 from mechgeom.typing import Bool, Int, Tensor, Tokens
 
@@ -72,10 +72,11 @@ _FRESH = "delete the file or choose another checkpoint="
 
 @dataclass
 class UnitBatch:
-    """One batch of units on the model's device, cut to its last real position.
+    """One batch of units on the model's device, without the columns that are padding in all of them.
 
-    ``n_sources`` (encoders) is the number of real keys of each real query (0 at padding), ``None`` for a
-    decoder (query ``i`` has the ``i + 1`` sources ``j <= i``)."""
+    ``n_sources`` is the number of sources of each query, 0 at padding: an encoder's real keys, a padded
+    decoder batch's real keys ``j <= i`` (:func:`~mechgeom.hooks.decoder_source_counts`); ``None`` for a
+    decoder batch without padding (query ``i`` has the ``i + 1`` sources ``j <= i``)."""
 
     idx: tuple[int, ...]
     tokens: Tokens
@@ -86,9 +87,10 @@ class UnitBatch:
 
 @dataclass
 class Units:
-    """The sequences a sweep scores, right-padded: ``mask[u, t]`` = token ``t`` of unit ``u`` is real;
-    ``targets[u, t]`` (decoders) = the prediction of token ``t + 1`` counts; ``hashes`` name the units in
-    the record (content hashes)."""
+    """The sequences a sweep scores, padded on either side: ``mask[u, t]`` = token ``t`` of unit ``u`` is
+    real (each unit's real tokens are contiguous); ``targets[u, t]`` (decoders) = the prediction of token
+    ``t + 1`` counts (never at a pad nor of a pad); ``hashes`` name the units in the record (content hashes
+    of the real tokens, so the same text has the same name whatever its padding)."""
 
     tokens: Tokens
     mask: Bool[Tensor, "unit pos"]
@@ -117,14 +119,20 @@ class Units:
         return [order[s : s + batch_size] for s in range(0, len(order), batch_size)]
 
     def batch(self, idx: Sequence[int], device: Any, *, causal: bool) -> UnitBatch:
-        """Units ``idx`` on ``device``, without the columns that are padding in every one of them."""
+        """Units ``idx`` on ``device``, without the columns that are padding in every one of them (on the
+        right, or on the left of a left-padded corpus)."""
         rows = list(idx)
         mask = self.mask[rows]
-        pos = int(mask.any(0).nonzero().max()) + 1
-        mask = mask[:, :pos].to(device)
-        targets = None if self.targets is None else self.targets[rows, : pos - 1]
-        n_sources = None if causal else mask.long().sum(-1, keepdim=True) * mask.long()
-        return UnitBatch(tuple(rows), self.tokens[rows, :pos].to(device), mask, targets, n_sources)
+        cols = mask.any(0).nonzero().flatten()
+        first, last = int(cols.min()), int(cols.max()) + 1
+        mask = mask[:, first:last].to(device)
+        targets = None if self.targets is None else self.targets[rows, first : last - 1]
+        n_sources: Tensor | None
+        if not causal:
+            n_sources = mask.long().sum(-1, keepdim=True) * mask.long()
+        else:
+            n_sources = None if bool(mask.all()) else decoder_source_counts(mask)
+        return UnitBatch(tuple(rows), self.tokens[rows, first:last].to(device), mask, targets, n_sources)
 
 
 # --------------------------------------------------------------------------- what a pass measures, how sources go

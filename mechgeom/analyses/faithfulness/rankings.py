@@ -97,11 +97,12 @@ from mechgeom.hooks import (
     check_indices,
     check_mode,
     check_rate,
+    decoder_source_counts,
     rank_sources,
     removal_mask,
     resolve_layers,
     run_hooks,
-    to_tokens,
+    to_batch,
 )
 from mechgeom.sweep import model_label
 from mechgeom.typing import Bool, Float, SourceRanks, Tensor, Tokens
@@ -226,6 +227,7 @@ class SourceRanking(Result):
     ``ranks[layer]`` is ``[batch, head_index, q, k]`` (``scope="intra"``) or ``[batch, 1, q, k]``
     (``scope="inter"``, one ranking applied to every head): the rank of source ``j`` among the sources
     ``j' <= i`` of query ``i`` (0 = top-ranked). The masked pass uses these clean ranks; it never re-ranks.
+    In a padded batch, pads rank after every real source and ``n_sources`` counts the real ones.
     """
 
     metric: str
@@ -233,6 +235,9 @@ class SourceRanking(Result):
     ranks: dict[int, SourceRanks]
     seed: int | None = None
     unit_hashes: list[str] = field(default_factory=list)
+    #: ``[batch, query_pos]`` sources of each query where the batch was padded (0 at a pad), else None;
+    #: :func:`~mechgeom.hooks.masking_hooks` counts removals with it, so a pad is never removed.
+    n_sources: Tensor | None = None
 
     @property
     def layers(self) -> list[int]:
@@ -270,7 +275,8 @@ class SourceRanking(Result):
         """Tidy table: ``batch, layer, head, query, key, rank`` for ``key <= query`` (head -1 = whole layer).
 
         ``batch`` (default: every text) and ``layer`` are checked: out of range raises ``IndexError`` naming
-        the valid range."""
+        the valid range. A padded batch's table has only real sources of real queries (positions in the
+        padded batch); pads are not ranked among them."""
         frames = []
         sel = self.layers if layer is None else [layer]
         for la in sel:
@@ -280,6 +286,10 @@ class SourceRanking(Result):
             for b in check_indices(batch, self.ranks[la].shape[0], "batch"):
                 r = self.ranks[la][b]  # [rank_head, q, k]
                 qq, kk = torch.tril_indices(r.shape[-2], r.shape[-1])
+                if self.n_sources is not None:  # a real source of a real query ranks below its count
+                    n = self.n_sources[b].cpu()[qq]  # [pairs]
+                    real = (r.cpu()[:, qq, kk].long() < n).all(0)
+                    qq, kk = qq[real], kk[real]
                 for h in range(r.shape[0]):
                     frames.append(
                         pd.DataFrame(
@@ -509,6 +519,8 @@ class RankingPass:
         )
         self.layers, self.scope, self.seed, self.causal = list(layers), scope, seed, causal
         self.key_mask, self.store_device = mask, store_device
+        #: the real-token mask where the batch has padding, else None (the plain decoder ranking)
+        self.padding = None if bool(mask.all()) else mask.bool()
         self.shape = (
             int(tokens.shape[0]),
             int(model.cfg.n_heads) if scope == "intra" else 1,
@@ -553,11 +565,22 @@ class RankingPass:
                 f"ranking method {name!r} emitted scores of shape {tuple(scores.shape)} at layer {layer}; need "
                 f"[batch={b}, head_index={heads} or 1, query_pos={pos}, key_pos={pos}]"
             )
-        if self.causal:
-            ranks = rank_sources(scores)
+        if self.causal:  # a padded batch: pads rank after the real sources, as in the text alone
+            ranks = rank_sources(scores, key_mask=self.padding)
         else:
             ranks = rank_sources(scores, causal=False, key_mask=self.key_mask.to(scores.device))
         self.ranks[name][layer] = ranks.to(self.store_device)
+
+    @property
+    def n_sources(self) -> Tensor | None:
+        """The sources of each ``[batch, query]`` where the batch has padding (0 at a pad; a decoder's real
+        keys ``j <= i``, an encoder's real keys), else None (a decoder's ``i + 1``, an encoder's every key)."""
+        if self.padding is None:
+            return None
+        if self.causal:
+            return decoder_source_counts(self.padding).to(self.store_device)
+        m = self.padding.long()
+        return (m.sum(-1, keepdim=True) * m).to(self.store_device)
 
     def rankings(self) -> dict[str, SourceRanking]:
         """One :class:`SourceRanking` per name, once the clean pass has run.
@@ -576,6 +599,7 @@ class RankingPass:
                 ranks={la: by_layer[la] for la in self.layers},
                 seed=self.seed if m == "random" else None,
                 unit_hashes=list(self.text_hashes),
+                n_sources=self.n_sources,
             )
             for m, by_layer in self.ranks.items()
         }
@@ -591,8 +615,14 @@ def source_rankings(
     layers: int | Sequence[int] | None = None,
     seed: int = 0,
     extra_hooks: Sequence[FwdHook] = (),
+    attention_mask: Tensor | None = None,
 ) -> dict[str, SourceRanking]:
     """Rankings of every method of ``metrics`` at ``layers`` (default: all) from one clean forward pass.
+
+    ``attention_mask`` (``[batch, pos]``, 1 at real tokens; default: derived for a list of texts,
+    :func:`~mechgeom.hooks.to_batch`, left or right padding as the tokenizer's ``padding_side``) runs the
+    pass with the padding masked; pads then rank after every real source and the rankings carry
+    ``n_sources``, so :func:`~mechgeom.hooks.masking_hooks` never removes a pad.
 
     Intra-head metrics (``scope="intra"``, the default) give one ranking per head; inter-head metrics
     (``scope="inter"``) one per layer, applied to every head. ``"random"`` draws uniform noise seeded by
@@ -602,13 +632,13 @@ def source_rankings(
     """
     scope = _check_scope(scope)
     metrics = _check_metrics(metrics, scope)
-    tokens = to_tokens(model, tokens_or_text)
+    tokens, mask = to_batch(model, tokens_or_text, attention_mask=attention_mask, what="source rankings")
     chosen = resolve_layers(model, layers)
     ranked = RankingPass(
         model, tokens, metrics, layers=chosen, scope=scope, seed=seed, extra_hooks=extra_hooks,
-        store_device=tokens.device,
+        store_device=tokens.device, key_mask=mask,
     )  # fmt: skip
-    run_hooks(model, tokens, [*extra_hooks, *ranked.hooks])
+    run_hooks(model, tokens, [*extra_hooks, *ranked.hooks], attention_mask=mask)
     return ranked.rankings()
 
 

@@ -44,9 +44,16 @@ from mechgeom.analyses.heads.orders import (
 )
 from mechgeom.analyses.heads.removal import COPIES_PER_BATCH, batched_head_nll, clean_resid, text_batches
 from mechgeom.analyses.heads.stats import HeadStats
-from mechgeom.analyses.scoring import encode_choices, task_accuracy, text_nll, token_nll
+from mechgeom.analyses.scoring import encode_choices, prediction_targets, task_accuracy, text_nll, token_nll
 from mechgeom.data import TaskItem
-from mechgeom.hooks import FwdHook, Head, TokensOrText, head_ablation_hooks, resolve_head_set, to_tokens
+from mechgeom.hooks import (
+    FwdHook,
+    Head,
+    TokensOrText,
+    head_ablation_hooks,
+    resolve_head_set,
+    to_batch,
+)
 from mechgeom.hooks.interventions import HeadAblationMode as AblationMode
 from mechgeom.models.adapter import adapter
 from mechgeom.sweep import Executor, Item, RowStore, executor_for, model_label, run_sweep, tokens_hash
@@ -68,8 +75,29 @@ __all__ = [
 _FRESH = "delete it or choose another checkpoint="
 
 
-def _tokens_key(tokens: Tokens) -> str:
-    return f"{tuple(tokens.shape)}:{tokens_hash(tokens)}"
+def _tokens_key(tokens: Tokens, mask: Tensor | None = None) -> str:
+    """The tokens (and, where there is padding, the mask of real tokens) by content, for a fingerprint."""
+    return f"{tuple(tokens.shape)}:{tokens_hash(tokens, attention_mask=mask)}"
+
+
+def _corpus(
+    model: Any, name: str, tokens_or_text: Any, attention_mask: Tensor | None
+) -> tuple[Tokens, Tensor | None]:
+    """A corpus as ``(tokens, mask)`` (:func:`~mechgeom.hooks.to_batch`: texts padded on the tokenizer's
+    side, the mask ``None`` where nothing is padding); every text needs two real tokens."""
+    return to_batch(
+        model,
+        tokens_or_text,
+        attention_mask=attention_mask,
+        min_pos=2,
+        what=f"corpus {name!r} (a token to predict)",
+    )
+
+
+def _masked_head_nll(model: Any, mask: Tensor, tokens: Tokens, hooks: list[FwdHook]) -> Tensor:
+    """Each row's mean NLL over its real predictions (``mask`` copied with the rows, as the tokens are)."""
+    loss = token_nll(model, tokens, hooks, attention_mask=mask.bool())
+    return loss.sum(-1) / prediction_targets(mask, *tokens.shape).sum(-1)
 
 
 @dataclass
@@ -88,6 +116,7 @@ class _HeadWork:
     means: HeadStats | Tensor | None
     batch_size: int
     use_resid: bool
+    mask: Tensor | None = None
     _cache: dict[str, Any] = field(default_factory=dict, repr=False)
 
     def __getstate__(self) -> dict[str, Any]:
@@ -102,6 +131,15 @@ class _HeadWork:
             nll = batched_head_nll(
                 hooks, inputs, toks, batches, lambda x, t, hk: _nll_from_layer(model, x, t, layer, hk),
                 max_seqs=max_seqs,
+            )  # fmt: skip
+        elif (
+            self.mask is not None
+        ):  # padded texts: the mask is what each forward starts from, copied per head
+            toks, mask = self.tokens.to(model.cfg.device), self.mask.to(model.cfg.device).long()
+            batches = text_batches(n, self.batch_size)
+            nll = batched_head_nll(
+                hooks, [mask[sl] for sl in batches], toks, batches,
+                lambda m, t, hk: _masked_head_nll(model, m, t, hk), max_seqs=max_seqs,
             )  # fmt: skip
         else:
             toks = self.tokens.to(model.cfg.device)
@@ -241,6 +279,7 @@ def single_head_sweep(
     means: HeadStats | Tensor | None = None,
     batch_size: int = 8,
     start_at_layer: bool = True,
+    attention_mask: Tensor | None = None,
     checkpoint: str | Path | None = None,
     executor: Executor | None = None,
     verbose: bool = False,
@@ -259,15 +298,23 @@ def single_head_sweep(
     refused with a ``ValueError`` naming the difference. ``executor`` runs the layers elsewhere (e.g.
     :class:`mechgeom.sweep.RayExecutor`, each worker loading the same model by name and caching the
     residual stream). ``verbose`` progress counts layers.
+
+    ``attention_mask`` (``[n_texts, pos]``, 1 at real tokens; for a list of texts the default pads them on
+    the tokenizer's side, :func:`~mechgeom.hooks.to_batch`) runs every forward with the padding masked;
+    each text's NLL is the mean over its own real predictions, as alone. A padded batch takes full forwards
+    (not ``start_at_layer``). The mask is part of a checkpoint's fingerprint.
     """
-    tokens = to_tokens(model, tokens_or_text, min_pos=2, what="the single-head sweep (a token to predict)")
+    tokens, mask = to_batch(
+        model, tokens_or_text, attention_mask=attention_mask, min_pos=2,
+        what="the single-head sweep (a token to predict)",
+    )  # fmt: skip
     n_layers, n_heads, n_texts = int(model.cfg.n_layers), int(model.cfg.n_heads), tokens.shape[0]
     wanted = resolve_head_set(model, all_heads(model) if heads is None else heads)
     head_ablation_hooks(model, [], mode=mode, means=means)  # checks mode and means before any work
     settings = {
         "model": model_label(model),
         "heads": f"{n_layers}x{n_heads}",
-        "tokens": _tokens_key(tokens),
+        "tokens": _tokens_key(tokens, mask),
         "mode": mode,
         "means": getattr(means, "z_mean", means) if mode == "mean" else None,  # by content
     }
@@ -280,10 +327,10 @@ def single_head_sweep(
         todo = [h for h in hs if any((layer, h, t) not in store for t in range(n_texts))]
         rows = tuple((layer, h, t) for h in todo for t in range(n_texts))
         items += [Item(key=(layer, *todo), rows=rows, batch=layer)] if todo else []
-    clean = text_nll(model, tokens, batch_size=batch_size)
+    clean = text_nll(model, tokens, attention_mask=mask, batch_size=batch_size)
     # where the backend cannot resume at a layer (a bridge, shortformer positions), full forwards
-    use_resid = start_at_layer and adapter(model).supports_start_at_layer
-    work = _HeadWork(tokens, mode, means, batch_size, use_resid)
+    use_resid = start_at_layer and adapter(model).supports_start_at_layer and mask is None
+    work = _HeadWork(tokens, mode, means, batch_size, use_resid, mask)
     run_sweep(
         items, work, store, executor=executor_for(model, executor), desc="single-head sweep", verbose=verbose
     )
@@ -302,15 +349,18 @@ def sweep_exactness(
     *,
     means: HeadStats | Tensor | None = None,
     batch_size: int = 8,
+    attention_mask: Tensor | None = None,
 ) -> dict[str, Any]:
     """Check a sweep against full forwards: ``max_abs_nll_gap = max |NLL(sweep) − NLL(text_nll)|`` over
-    ``heads`` and texts (the sweep's mode; ``means`` as in the sweep).
+    ``heads`` and texts (the sweep's mode; ``means`` and ``attention_mask`` as in the sweep).
 
     ``heads`` is a list of ``(layer, head)`` or a number ``n`` of the heads ``(0, 0)``,
     ``(n_layers // 2, 1)``, ``(n_layers - 1, n_heads - 1)``. Returns ``{"heads": [[l, h], ...],
     "max_abs_nll_gap": float | None}`` (``None`` for no head); 0 where ``start_at_layer`` is exact.
     """
-    tokens = to_tokens(model, tokens, min_pos=2, what="the sweep check (a token to predict)")
+    tokens, mask = to_batch(
+        model, tokens, attention_mask=attention_mask, min_pos=2, what="the sweep check (a token to predict)"
+    )
     if isinstance(heads, int):
         n_layers, n_heads = int(model.cfg.n_layers), int(model.cfg.n_heads)
         heads = [(0, 0), (n_layers // 2, min(1, n_heads - 1)), (n_layers - 1, n_heads - 1)][:heads]
@@ -319,7 +369,11 @@ def sweep_exactness(
     for lh in heads:
         hooks = head_ablation_hooks(model, [lh], mode=mode, means=means)
         gaps.append(
-            float((text_nll(model, tokens, hooks, batch_size=batch_size) - sweep.nll[lh]).abs().max())
+            float(
+                (text_nll(model, tokens, hooks, attention_mask=mask, batch_size=batch_size) - sweep.nll[lh])
+                .abs()
+                .max()
+            )
         )
     return {"heads": [[int(a), int(b)] for a, b in heads], "max_abs_nll_gap": max(gaps) if gaps else None}
 
@@ -355,6 +409,7 @@ def retention_curve(
     batch_size: int = 8,
     extra_hooks: Sequence[FwdHook] = (),
     clean: _Clean | None = None,
+    attention_mask: Mapping[str, Tensor | None] | None = None,
     verbose: bool = False,
 ) -> pd.DataFrame:
     """PPL on each corpus (and accuracy on ``task = (task_name, items)``) as the heads of ``order`` are removed.
@@ -362,19 +417,26 @@ def retention_curve(
     Tidy rows: ``order, retention, n_heads_kept, n_heads_removed, corpus, nll, ppl, delta_ppl, accuracy,
     delta_accuracy`` — corpus rows have NaN accuracy, task rows (``corpus`` = task name) NaN PPL. Deltas are
     against the clean model with ``extra_hooks`` still attached.
+
+    A corpus may be texts of different lengths: ``attention_mask`` maps a corpus name to its ``[n_texts,
+    pos]`` mask (1 at real tokens); a list of texts without one is padded on the tokenizer's side
+    (:func:`~mechgeom.hooks.to_batch`). Each text's NLL is then the mean over its own real predictions,
+    as alone, and a corpus' NLL the mean over its texts.
     """
     order = _check_order(model, order)
-    corpora = {
-        c: to_tokens(model, t, min_pos=2, what=f"corpus {c!r} (a token to predict)")
-        for c, t in corpora.items()
-    }
+    masks_in = attention_mask or {}
+    batches = {c: _corpus(model, c, t, masks_in.get(c)) for c, t in corpora.items()}
+    corpora = {c: b[0] for c, b in batches.items()}
+    masks = {c: b[1] for c, b in batches.items()}
     n_total = len(order)
     encoded = encode_choices(model, task[1]) if task is not None else None
     if clean is None:
         clean = _Clean()
     if any(c not in clean.nll for c in corpora) or (task is not None and clean.accuracy is None):
         for corpus, toks in corpora.items():
-            clean.nll[corpus] = float(text_nll(model, toks, extra_hooks, batch_size=batch_size).mean())
+            clean.nll[corpus] = float(
+                text_nll(model, toks, extra_hooks, attention_mask=masks[corpus], batch_size=batch_size).mean()
+            )
         if task is not None and encoded is not None:
             clean.accuracy = task_accuracy(
                 model, task[1], extra_hooks, batch_size=batch_size, encoded=encoded
@@ -395,7 +457,9 @@ def retention_curve(
             nll = (
                 clean.nll[corpus]
                 if not removed
-                else float(text_nll(model, toks, hooks, batch_size=batch_size).mean())
+                else float(
+                    text_nll(model, toks, hooks, attention_mask=masks[corpus], batch_size=batch_size).mean()
+                )
             )
             rows.append(
                 {
@@ -501,6 +565,7 @@ def retention_curves(
     checkpoint: str | Path | None = None,
     on_order: Callable[[pd.DataFrame], None] | None = None,
     executor: Executor | None = None,
+    attention_mask: Mapping[str, Tensor | None] | None = None,
     verbose: bool = False,
 ) -> RetentionCurves:
     """:func:`retention_curve` for every order, the clean pass shared; resumable.
@@ -511,19 +576,20 @@ def retention_curves(
     corpora (by token content), the levels, the mode and ``means``, and the task items: another run's file is
     refused with a ``ValueError`` naming each difference.
     ``on_order(frame_so_far)`` runs after each order; ``executor`` runs the orders elsewhere (as in
-    :func:`single_head_sweep`).
+    :func:`single_head_sweep`). ``attention_mask`` maps corpus names to their masks (as in
+    :func:`retention_curve`); the masks are part of the checkpoint's fingerprint.
     """
     n_total = int(model.cfg.n_layers) * int(model.cfg.n_heads)
-    corpora = {
-        c: to_tokens(model, t, min_pos=2, what=f"corpus {c!r} (a token to predict)")
-        for c, t in corpora.items()
-    }
+    masks_in = attention_mask or {}
+    batches = {c: _corpus(model, c, t, masks_in.get(c)) for c, t in corpora.items()}
+    corpora = {c: b[0] for c, b in batches.items()}
+    masks = {c: b[1] for c, b in batches.items()}
     levels_t = retention_levels(n_total, levels)
     names = [*corpora, *([task[0]] if task is not None else [])]
     settings = {
         "model": model_label(model),
         "heads": f"{model.cfg.n_layers}x{model.cfg.n_heads}",
-        "corpora": ";".join(f"{c}={_tokens_key(t)}" for c, t in corpora.items()),
+        "corpora": ";".join(f"{c}={_tokens_key(t, masks[c])}" for c, t in corpora.items()),
         "levels": ",".join(str(round(r, 10)) for r, _ in levels_t),
         "mode": mode,
         "means": getattr(means, "z_mean", means) if mode == "mean" else None,  # by content
@@ -537,7 +603,7 @@ def retention_curves(
         Item(key=(name,), rows=tuple((name, r, c) for r, _ in levels_t for c in names), data=list(order))
         for name, order in orders.items()
     ]
-    work = _RetentionWork(corpora, tuple(levels), mode, means, task, batch_size, verbose)
+    work = _RetentionWork(corpora, tuple(levels), mode, means, task, batch_size, verbose, masks)
     after = None if on_order is None else (lambda _item, _rows: on_order(store.rows()))
     run_sweep(
         items,
@@ -570,6 +636,7 @@ class _RetentionWork:
     task: tuple[str, Sequence[TaskItem]] | None
     batch_size: int
     verbose: bool
+    masks: dict[str, Tensor | None] = field(default_factory=dict)
     _clean: _Clean = field(default_factory=_Clean, repr=False)
 
     def __getstate__(self) -> dict[str, Any]:
@@ -579,5 +646,5 @@ class _RetentionWork:
         return retention_curve(
             model, item.data, self.corpora, name=item.key[0], levels=self.levels, mode=self.mode,
             means=self.means, task=self.task, batch_size=self.batch_size, clean=self._clean,
-            verbose=self.verbose,
+            attention_mask=self.masks, verbose=self.verbose,
         )  # fmt: skip

@@ -23,7 +23,7 @@ import torch
 
 from mechgeom.analyses.base import Result
 from mechgeom.analyses.contribution import LayerGeometry
-from mechgeom.analyses.scoring import bootstrap_ci, text_nll
+from mechgeom.analyses.scoring import bootstrap_ci, right_align, text_nll
 from mechgeom.hooks import (
     FwdHook,
     LayerActivations,
@@ -38,9 +38,9 @@ from mechgeom.hooks import (
     resolve_sinks,
     sink_mask,
     sink_value_hooks,
-    unpadded_tokens,
+    to_batch,
 )
-from mechgeom.typing import Float, Tensor, Tokens
+from mechgeom.typing import Bool, Float, Tensor, Tokens
 
 __all__ = [
     "AblationMode",
@@ -55,10 +55,29 @@ AblationMode = ValueAblationMode
 
 
 def random_control_positions(
-    n_texts: int, pos: int, sink_positions: int | Sequence[int] | None = None, *, seed: int = 0
+    n_texts: int,
+    pos: int,
+    sink_positions: int | Sequence[int] | None = None,
+    *,
+    seed: int = 0,
+    lengths: Sequence[int] | None = None,
 ) -> Tensor:
     """One random non-sink position per text, ``[n_texts, 1]``, uniform over ``{j < pos : j ∉ S}``
-    (``torch.Generator`` seeded with ``seed``)."""
+    (``torch.Generator`` seeded with ``seed``).
+
+    ``lengths`` (texts of a right-aligned padded batch, :func:`~mechgeom.analyses.scoring.right_align`):
+    text ``t``'s position is uniform over its own ``{j < lengths[t] : j ∉ S}``, never a pad.
+    """
+    if lengths is not None:
+        sinks = resolve_sinks(sink_positions, min(int(n) for n in lengths))
+        u = torch.rand(n_texts, generator=torch.Generator().manual_seed(seed))
+        out = []
+        for t, n in enumerate(lengths):
+            own = [j for j in range(int(n)) if j not in sinks]
+            if not own:
+                raise ValueError(f"text {t} has no non-sink position ({n} tokens, sinks {sinks})")
+            out.append(own[min(int(u[t] * len(own)), len(own) - 1)])
+        return torch.tensor(out, dtype=torch.long)[:, None]
     sinks = resolve_sinks(sink_positions, pos)
     nonsink = torch.tensor([j for j in range(pos) if j not in sinks], dtype=torch.long)
     if not len(nonsink):
@@ -67,12 +86,20 @@ def random_control_positions(
     return nonsink[torch.randint(len(nonsink), (n_texts, 1), generator=g)]
 
 
-def cone_cos(geo: LayerGeometry, sinks: Sequence[int]) -> Float[Tensor, "batch head q"]:
+def cone_cos(
+    geo: LayerGeometry, sinks: Sequence[int], key_mask: Bool[Tensor, "batch pos"] | None = None
+) -> Float[Tensor, "batch head q"]:
     """``cos(o[i,h], mu_h)`` with ``mu_h`` the mean direction of the non-sink projected values (the
-    "semantic cone"): ``mu_h = mean_{j ∉ S} vt[j,h]`` of the same text and pass. NaN where a norm is 0."""
+    "semantic cone"): ``mu_h = mean_{j ∉ S} vt[j,h]`` of the same text and pass. NaN where a norm is 0.
+    ``key_mask`` (True at real tokens) keeps a padded batch's pads out of ``mu_h``."""
     pos = geo.pattern.shape[-1]
     nonsink = ~sink_mask(sinks, pos, geo.pattern.device)
-    mu = geo.projected_values[:, nonsink].mean(dim=1)  # [b h m]
+    if key_mask is None:
+        mu = geo.projected_values[:, nonsink].mean(dim=1)  # [b h m]
+    else:
+        w = (nonsink[None, :] & key_mask.to(nonsink.device)).to(geo.projected_values.dtype)  # [b k]
+        total = einops.einsum(geo.projected_values, w, "b k h m, b k -> b h m")
+        mu = total / w.sum(1)[:, None, None]
     dots = einops.einsum(geo.head_out, mu, "b q h m, b h m -> b h q")
     den = geo.head_out_norm * mu.norm(dim=-1)[..., None]  # [b h q]
     return torch.where(den > 0, dots / den.clamp_min(1e-30), torch.nan)
@@ -82,8 +109,8 @@ class _OutputMeter:
     """Reads every layer's head outputs; per text and head: ``mean_{i in Q} ‖o[i,h]‖`` and
     ``mean_{i in Q} cos(o[i,h], mu_h)`` with ``mu_h = mean_{j ∉ S} vt[j,h]`` of the same pass."""
 
-    def __init__(self, model: Any, sinks: list[int], n_texts: int) -> None:
-        self.model, self.sinks = model, sinks
+    def __init__(self, model: Any, sinks: list[int], n_texts: int, mask: Tensor | None = None) -> None:
+        self.model, self.sinks, self.mask = model, sinks, mask
         shape = (n_texts, int(model.cfg.n_layers), int(model.cfg.n_heads))
         self.norm = torch.full(shape, torch.nan)
         self.cone = torch.full(shape, torch.nan)
@@ -93,10 +120,12 @@ class _OutputMeter:
 
     def _on_layer(self, acts: LayerActivations, *, sl: slice) -> None:
         geo = LayerGeometry.from_activations(acts)
-        qmask = query_mask(self.sinks, geo.pattern.shape[-1], geo.pattern.device)
-        cos = cone_cos(geo, self.sinks)  # [b h q]
-        self.norm[sl, acts.layer] = masked_mean(geo.head_out_norm, qmask.expand_as(cos), -1).cpu()
-        self.cone[sl, acts.layer] = masked_mean(cos, qmask.expand_as(cos), -1).cpu()
+        qmask = query_mask(self.sinks, geo.pattern.shape[-1], geo.pattern.device)  # [q]
+        real = None if self.mask is None else self.mask[sl].to(qmask.device)  # [b q]
+        cos = cone_cos(geo, self.sinks, real)  # [b h q]
+        keep = qmask.expand_as(cos) if real is None else (qmask[None, :] & real)[:, None].expand_as(cos)
+        self.norm[sl, acts.layer] = masked_mean(geo.head_out_norm, keep, -1).cpu()
+        self.cone[sl, acts.layer] = masked_mean(cos, keep, -1).cpu()
 
 
 _CONDITIONS = ("clean", "sink", "control")
@@ -125,6 +154,8 @@ class SinkAblationResult(Result):
     out_norm: dict[str, Tensor]
     cone_cos: dict[str, Tensor]
     model_name: str = ""
+    #: the real tokens of ``tokens`` (right-aligned), None where nothing is padding
+    attention_mask: Tensor | None = None
 
     def ppl(self, cond: str = "clean") -> float:
         """``exp(mean NLL)`` over every predicted token of every text."""
@@ -207,34 +238,47 @@ def sink_ablation(
     seed: int = 0,
     batch_size: int = 8,
     clean: SinkAblationResult | None = None,
-    verbose: bool = False,
     attention_mask: Tensor | None = None,
+    verbose: bool = False,
 ) -> SinkAblationResult:
     """Ablate the sink value (:func:`sink_value_hooks`) in ``layers`` × ``heads`` (default: all of them,
-    at once) on ``tokens_or_text`` (text or token ids, validated by :func:`mechgeom.hooks.unpadded_tokens`:
-    texts of one length; a padded batch or an ``attention_mask`` with 0s is refused, since the ablation acts
-    at the same positions of every text)
+    at once) on ``tokens_or_text`` (text or token ids, validated by :func:`mechgeom.hooks.to_batch`)
     and, as a control, the value of one random non-sink position per text
     (:func:`random_control_positions` with ``seed``) in the same layers and heads with the same mode.
 
     Three passes (clean, sink, control; each one NLL pass with readers attached) measure the NLL
     (``mechgeom.analyses.scoring.text_nll``), the head-output norms and the cone cosines. ``clean`` reuses
     the clean pass of an earlier result on the same tokens and sink set (for per-layer sweeps).
+
+    **Padding.** ``attention_mask`` (``[n_texts, pos]``, 1 at real tokens; for a list of texts the default
+    pads them on the tokenizer's side, :func:`~mechgeom.hooks.to_batch`): the batch is right-aligned
+    (:func:`~mechgeom.analyses.scoring.right_align`), so position 0 of the sink set is the first real token
+    of each text; pads are never targets of the NLL, never ablated, never in the ``"mean_norm"`` reference,
+    never queries of the means over ``Q`` nor keys of ``mu_h``; the control position is drawn among each
+    text's own non-sinks. Every text must be longer than ``max(S)``. The clean and sink conditions of a
+    text then equal the text run alone (the control draws its position per batch).
     """
-    tokens = unpadded_tokens(model, tokens_or_text, what="sink_ablation", attention_mask=attention_mask)
+    tokens, mask = to_batch(model, tokens_or_text, attention_mask=attention_mask, what="sink ablation")
+    if mask is not None:
+        tokens, mask = right_align(tokens, mask)
     n, pos = tokens.shape
-    sinks = resolve_sinks(sink_positions, pos)
+    lengths = None if mask is None else [int(x) for x in mask.sum(-1).tolist()]
+    sinks = resolve_sinks(sink_positions, pos if lengths is None else min(lengths))
     layer_list = resolve_layers(model, layers)
     head_list = resolve_heads(model, heads)
-    control = random_control_positions(n, pos, sinks, seed=seed)
+    control = random_control_positions(n, pos, sinks, seed=seed, lengths=lengths)
     common = {"layers": layer_list, "heads": head_list, "mode": mode, "scale": scale, "sink_positions": sinks}
 
+    def real(sl: slice) -> Tensor | None:
+        return None if mask is None else mask[sl]
+
     def measure(cond: str, make_hooks: Callable[[slice], list[FwdHook]]) -> tuple[Tensor, Tensor, Tensor]:
-        meter = _OutputMeter(model, sinks, n)
+        meter = _OutputMeter(model, sinks, n, mask)
         nll = text_nll(
             model,
             tokens,
             lambda sl: [*make_hooks(sl), *meter.hooks(sl)],
+            attention_mask=mask,
             batch_size=batch_size,
             verbose=verbose,
             desc=f"sink ablation: {cond}",
@@ -243,15 +287,21 @@ def sink_ablation(
 
     results: dict[str, tuple[Tensor, Tensor, Tensor]] = {}
     if clean is not None:
-        if clean.sink_positions != sinks or not torch.equal(clean.tokens, tokens.cpu()):
-            raise ValueError("`clean` comes from other tokens or another sink set")
+        same_mask = (clean.attention_mask is None) == (mask is None) and (
+            mask is None or torch.equal(clean.attention_mask, mask.cpu())  # type: ignore[arg-type]
+        )
+        if clean.sink_positions != sinks or not torch.equal(clean.tokens, tokens.cpu()) or not same_mask:
+            raise ValueError("`clean` comes from other tokens, another attention_mask or another sink set")
         results["clean"] = (clean.nll["clean"], clean.out_norm["clean"], clean.cone_cos["clean"])
     else:
         results["clean"] = measure("clean", lambda sl: [])
-    results["sink"] = measure("sink", lambda sl: sink_value_hooks(model, **common))  # type: ignore[arg-type]
+    results["sink"] = measure(
+        "sink",
+        lambda sl: sink_value_hooks(model, key_mask=real(sl), **common),  # type: ignore[arg-type]
+    )
     results["control"] = measure(
         "control",
-        lambda sl: sink_value_hooks(model, positions=control[sl], **common),  # type: ignore[arg-type]
+        lambda sl: sink_value_hooks(model, positions=control[sl], key_mask=real(sl), **common),  # type: ignore[arg-type]
     )
     return SinkAblationResult(
         layers=layer_list,
@@ -266,4 +316,5 @@ def sink_ablation(
         out_norm={c: r[1] for c, r in results.items()},
         cone_cos={c: r[2] for c, r in results.items()},
         model_name=str(getattr(model.cfg, "model_name", "")),
+        attention_mask=None if mask is None else mask.cpu(),
     )
