@@ -351,6 +351,7 @@ def run_collector(
                 min_pos=min_pos,
                 what=what,
                 encoders=encoders,
+                align=False,
             )
         collector.feed_cache(cache, mask)
         return collector.result(tokens)

@@ -22,7 +22,7 @@ import pandas as pd
 import torch
 
 from mechgeom._progress import progress
-from mechgeom.hooks import FwdHook, check_attention_mask, pass_mask, run_hooks
+from mechgeom.hooks import FwdHook, check_attention_mask, pass_mask, right_align, run_hooks
 from mechgeom.models.adapter import adapter
 from mechgeom.typing import Bool, Float, Tensor, Tokens
 
@@ -60,35 +60,6 @@ def prediction_targets(
         return torch.ones(batch, pos - 1, dtype=torch.bool)
     m = attention_mask.detach().cpu().bool()
     return m[:, :-1] & m[:, 1:]
-
-
-def right_align(tokens: Tokens, mask: Bool[Tensor, "batch pos"]) -> tuple[Tokens, Bool[Tensor, "batch pos"]]:
-    """Each text's real tokens moved to the start of its row (right padding), the pads' ids after them.
-
-    Where positions are read from the row's first column (an encoder's absolute positions, the sink set
-    ``S`` of the sink analyses), a left-padded text would sit at other positions than alone; right-aligned,
-    it has its own, and causal attention keeps the pads after it out of every real position.
-
-    Raises:
-        ValueError: a text whose real tokens are not contiguous (padding inside a text).
-
-    >>> t, m = right_align(torch.tensor([[9, 1, 2], [3, 4, 5]]), torch.tensor([[False, True, True], [True] * 3]))
-    >>> t.tolist(), m.tolist()
-    ([[1, 2, 9], [3, 4, 5]], [[True, True, False], [True, True, True]])
-    """
-    pos = torch.arange(tokens.shape[1], device=mask.device)
-    first = torch.where(mask, pos, tokens.shape[1]).amin(-1)
-    span = torch.where(mask, pos, -1).amax(-1) - first + 1
-    gaps = (span != mask.sum(-1)).nonzero().flatten().tolist()
-    if gaps:
-        raise ValueError(
-            f"attention_mask marks padding inside text(s) {gaps}: a text's real tokens must be contiguous "
-            "(padding on the left or on the right only)"
-        )
-    if not bool(first.any()):
-        return tokens, mask
-    order = (pos[None, :] + first[:, None]) % tokens.shape[1]  # [batch, pos]: real tokens first
-    return tokens.gather(1, order.to(tokens.device)), mask.gather(1, order)
 
 
 def _padded(attention_mask: Tensor | None) -> Tensor | None:

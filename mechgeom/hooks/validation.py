@@ -29,6 +29,7 @@ __all__ = [
     "padding_side",
     "resolve_heads",
     "resolve_layers",
+    "right_align",
     "select_queries",
     "text_positions",
     "to_batch",
@@ -346,13 +347,16 @@ def to_batch(
     min_pos: int = 1,
     what: str = "this analysis",
     encoders: bool = False,
+    align: bool = True,
 ) -> tuple[Tokens, Bool[Tensor, "batch pos"] | None]:
     """:func:`to_tokens` and the mask of real tokens that goes with them: what every entry point analyses.
 
     The mask is ``attention_mask`` when given (checked against the tokens); otherwise, for a list of texts of
     a decoder, the padding :func:`pad_texts` added (left or right, the model's :func:`padding_side`); for an
-    encoder, its ``[PAD]`` ids (:func:`padding_mask`). Token ids given as a tensor are taken as all real
-    unless ``attention_mask`` says otherwise: a pad id is often a real token too.
+    encoder, its ``[PAD]`` ids (:func:`padding_mask`); an encoder's left-padded batch is right-aligned
+    (:func:`right_align`, its absolute positions) unless ``align=False`` (the tokens of a cache, whose
+    activations stand where they were). Token ids given as a tensor are taken as all real unless
+    ``attention_mask`` says otherwise: a pad id is often a real token too.
 
     Returns:
         ``(tokens, mask)`` on the model's device; ``mask`` is a bool ``[batch, pos]`` tensor, or ``None`` when
@@ -377,14 +381,56 @@ def to_batch(
                 f"attention_mask leaves text(s) {short} with fewer than {min_pos} real token(s), which {what} "
                 "needs: drop those texts or mark their tokens 1"
             )
+        if is_bidirectional(model) and align:
+            return _encoder_batch(tokens, None if bool(mask.all()) else mask)
         return tokens, (None if bool(mask.all()) else mask)
     if is_bidirectional(model):
-        return tokens, padding_mask(model, tokens)
+        return (
+            _encoder_batch(tokens, padding_mask(model, tokens))
+            if align
+            else (tokens, padding_mask(model, tokens))
+        )
     x = tokens_or_text
     if isinstance(x, Sequence) and not isinstance(x, str | bytes) and len(x) > 1 and isinstance(x[0], str):
         mask = pad_texts(model, [str(t) for t in x])[1]
         return tokens, None if mask is None else mask.to(tokens.device)
     return tokens, None
+
+
+def right_align(tokens: Tokens, mask: Bool[Tensor, "batch pos"]) -> tuple[Tokens, Bool[Tensor, "batch pos"]]:
+    """Each text's real tokens moved to the start of its row (right padding), the pads' ids after them.
+
+    Where positions are read from the row's first column (an encoder's absolute positions, the sink set
+    ``S`` of the sink analyses), a left-padded text would sit at other positions than alone; right-aligned,
+    it has its own, and causal attention keeps the pads after it out of every real position.
+
+    Raises:
+        ValueError: a text whose real tokens are not contiguous (padding inside a text).
+
+    >>> t, m = right_align(torch.tensor([[9, 1, 2], [3, 4, 5]]), torch.tensor([[False, True, True], [True] * 3]))
+    >>> t.tolist(), m.tolist()
+    ([[1, 2, 9], [3, 4, 5]], [[True, True, False], [True, True, True]])
+    """
+    pos = torch.arange(tokens.shape[1], device=mask.device)
+    first = torch.where(mask, pos, tokens.shape[1]).amin(-1)
+    span = torch.where(mask, pos, -1).amax(-1) - first + 1
+    gaps = (span != mask.sum(-1)).nonzero().flatten().tolist()
+    if gaps:
+        raise ValueError(
+            f"attention_mask marks padding inside text(s) {gaps}: a text's real tokens must be contiguous "
+            "(padding on the left or on the right only)"
+        )
+    if not bool(first.any()):
+        return tokens, mask
+    order = (pos[None, :] + first[:, None]) % tokens.shape[1]  # [batch, pos]: real tokens first
+    return tokens.gather(1, order.to(tokens.device)), mask.gather(1, order)
+
+
+def _encoder_batch(tokens: Tokens, mask: Tensor | None) -> tuple[Tokens, Tensor | None]:
+    """An encoder's batch, right-aligned (:func:`right_align`): BERT's positions are absolute and
+    TransformerLens does not shift them under a left-padding mask, so a left-padded text would be read at
+    other positions than alone."""
+    return (tokens, None) if mask is None else right_align(tokens, mask)
 
 
 def text_positions(mask: Bool[Tensor, "batch pos"] | None, batch: int, pos: int) -> Tensor:

@@ -211,3 +211,23 @@ def test_collect_passes_each_batch_its_rows_of_the_mask() -> None:
             mask[2:3].tolist(),
         ]
     )
+
+
+def test_an_encoders_left_padded_batch_is_right_aligned_and_equals_each_text_alone() -> None:
+    """An encoder's positions are absolute (and not shifted by a left-padding mask): its batch is right-aligned
+    before the pass, so each text is read at its own positions."""
+    model = make_tiny(attention_dir="bidirectional", attn_only=True)
+    tokens, mask = _padded(ROWS, "left")
+    aligned, amask = to_batch(model, tokens, attention_mask=mask, encoders=True)
+    assert amask is not None and bool(amask[:, 0].all())
+    for b, row in enumerate(ROWS):
+        assert aligned[b, : len(row)].tolist() == row
+    batch = contribution_weights(model, tokens, attention_mask=mask, intra=["contribution"], inter=[])
+    for b, row in enumerate(ROWS):
+        alone = contribution_weights(model, torch.tensor([row]), intra=["contribution"], inter=[])
+        n = len(row)
+        torch.testing.assert_close(
+            batch.intra["contribution"][b][..., :n, :n], alone.intra["contribution"][0], rtol=1e-5, atol=1e-5
+        )
+    # a cache keeps its activations where they were: its mask is not moved
+    assert torch.equal(to_batch(model, tokens, attention_mask=mask, encoders=True, align=False)[1], mask)

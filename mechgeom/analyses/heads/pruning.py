@@ -396,6 +396,32 @@ class _Clean:
     accuracy: float | None = None
 
 
+def _clean_scores(
+    model: Any,
+    corpora: Mapping[str, Tokens],
+    masks: Mapping[str, Tensor | None],
+    task: tuple[str, Sequence[TaskItem]] | None,
+    encoded: Any,
+    extra_hooks: Sequence[FwdHook],
+    batch_size: int,
+    clean: _Clean | None,
+) -> _Clean:
+    """The clean model's NLL per corpus (and task accuracy) with ``extra_hooks``: ``clean`` as given where it
+    already holds them (a shared clean pass of :func:`retention_curves`), else computed into it."""
+    if clean is None:
+        clean = _Clean()
+    if any(c not in clean.nll for c in corpora) or (task is not None and clean.accuracy is None):
+        for corpus, toks in corpora.items():
+            clean.nll[corpus] = float(
+                text_nll(model, toks, extra_hooks, attention_mask=masks[corpus], batch_size=batch_size).mean()
+            )
+        if task is not None and encoded is not None:
+            clean.accuracy = task_accuracy(
+                model, task[1], extra_hooks, batch_size=batch_size, encoded=encoded
+            )
+    return clean
+
+
 def retention_curve(
     model: Any,
     order: Sequence[Head],
@@ -430,17 +456,7 @@ def retention_curve(
     masks = {c: b[1] for c, b in batches.items()}
     n_total = len(order)
     encoded = encode_choices(model, task[1]) if task is not None else None
-    if clean is None:
-        clean = _Clean()
-    if any(c not in clean.nll for c in corpora) or (task is not None and clean.accuracy is None):
-        for corpus, toks in corpora.items():
-            clean.nll[corpus] = float(
-                text_nll(model, toks, extra_hooks, attention_mask=masks[corpus], batch_size=batch_size).mean()
-            )
-        if task is not None and encoded is not None:
-            clean.accuracy = task_accuracy(
-                model, task[1], extra_hooks, batch_size=batch_size, encoded=encoded
-            )
+    clean = _clean_scores(model, corpora, masks, task, encoded, extra_hooks, batch_size, clean)
     rows = []
     for retention, n_kept in progress(
         retention_levels(n_total, levels), desc=f"retention {name}", enabled=verbose
