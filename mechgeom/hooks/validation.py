@@ -23,6 +23,7 @@ __all__ = [
     "check_decoder",
     "check_index",
     "check_indices",
+    "check_text_position",
     "is_bidirectional",
     "pad_texts",
     "padding_mask",
@@ -446,6 +447,28 @@ def text_positions(mask: Bool[Tensor, "batch pos"] | None, batch: int, pos: int)
     return torch.where(m, m.long().cumsum(-1) - 1, torch.full_like(m, -1, dtype=torch.long))
 
 
+def check_text_position(position: Any, n_real: int, text: int, way_out: str = "") -> int:
+    """A query position inside text ``text`` of ``n_real`` real tokens (negative from its end), as ``0..n_real-1``.
+
+    Raises:
+        IndexError: not an integer, or outside the text; the message names the text's valid range and, when
+            given, ``way_out``.
+
+    >>> check_text_position(-1, 4, 0)
+    3
+    """
+    try:
+        q = operator.index(position)
+    except TypeError:
+        raise IndexError(f"query {position!r} is not an integer position") from None
+    if not -n_real <= q < n_real:
+        raise IndexError(
+            f"query {q} is outside text {text}, which has {n_real} real tokens (valid: {-n_real}..{n_real - 1}; "
+            f"-1 is its last token){'; ' + way_out if way_out else ''}"
+        )
+    return q % n_real
+
+
 #: What ``queries=`` accepts: positions in each text (negative from its end), a slice of them, or a boolean
 #: ``[pos]`` / ``[batch, pos]`` mask over the padded batch.
 Queries = int | Sequence[int] | slice | Tensor | None
@@ -511,18 +534,8 @@ def select_queries(
             bad = [q for q in items if isinstance(q, bool) or not hasattr(q, "__index__")]
             if bad:
                 raise TypeError(f"queries must be ints (positions in each text), got {bad[0]!r}")
-            picks = []
-            for b, n in enumerate(lengths):
-                row = []
-                for q in items:
-                    q = operator.index(q)
-                    if not -n <= q < n:
-                        raise IndexError(
-                            f"query {q} is outside text {b}, which has {n} real tokens (valid: {-n}..{n - 1}); "
-                            "give positions inside the shortest text, or a boolean mask per text"
-                        )
-                    row.append(q % n)
-                picks.append(row)
+            way_out = "give positions inside the shortest text, or a boolean mask per text"
+            picks = [[check_text_position(q, n, b, way_out) for q in items] for b, n in enumerate(lengths)]
         sel = torch.zeros(batch, pos, dtype=torch.bool)
         for b, row in enumerate(picks):
             where = real[b].nonzero().flatten()

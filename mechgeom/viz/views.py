@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import functools
 import html
-import operator
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -34,7 +33,7 @@ import torch
 
 from mechgeom._io import atomic_write
 from mechgeom.analyses.contribution.weights import ContributionResult
-from mechgeom.hooks import check_index
+from mechgeom.hooks import check_index, check_text_position
 from mechgeom.typing import Float, Tensor
 
 __all__ = [
@@ -267,15 +266,7 @@ def token_view(
     real = result.real()[batch]
     keys = real.nonzero().flatten()  # padded positions of the text's tokens
     n = len(keys)
-    try:
-        query = operator.index(query)
-    except TypeError:
-        raise IndexError(f"query {query!r} is not an integer index") from None
-    if not -n <= query < n:
-        raise IndexError(
-            f"query {query} out of range for text {batch} (valid: {-n}..{n - 1}; -1 is its last token)"
-        )
-    query %= n
+    query = check_text_position(query, n, batch)
     padded = int(keys[query])
     rows = result.rows()[batch]
     found = (rows == padded).nonzero().flatten()

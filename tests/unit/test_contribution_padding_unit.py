@@ -209,7 +209,7 @@ def test_frame_query_filter_counts_from_each_texts_end_and_names_the_range(decod
         assert len(got) == res.shape[1] * (1 + n)  # query 0 has one source, the last one n
     with pytest.raises(IndexError, match=r"text 2, which has 3 real tokens \(valid: -3..2"):
         res.to_frame(query=-4)
-    with pytest.raises(IndexError, match=r"query 5 out of range for text 0, which has 5 real tokens"):
+    with pytest.raises(IndexError, match=r"query 5 is outside text 0, which has 5 real tokens"):
         res.to_frame(query=5)
 
 
@@ -386,7 +386,9 @@ def test_token_view_takes_negative_queries_inside_each_text(decoder, alone, side
             got = _token_props(token_view(r, 1, q, head=2, batch=b))
             assert len(got["tokens"]) == LENGTHS[b]
             np.testing.assert_allclose(got["values"], want["values"], rtol=1e-5, atol=1e-6)
-    with pytest.raises(IndexError, match=r"query -4 out of range for text 2 \(valid: -3..2"):
+    with pytest.raises(
+        IndexError, match=r"query -4 is outside text 2, which has 3 real tokens \(valid: -3..2"
+    ):
         token_view(res, 1, -4, batch=2)
     with pytest.raises(IndexError, match=r"not computed.*queries \[4\]"):
         token_view(last, 1, 0, batch=0)

@@ -121,7 +121,8 @@ class TestSelectQueries:
 
     def test_bad_queries_name_the_range_and_the_way_out(self) -> None:
         with pytest.raises(
-            IndexError, match=r"query 3 is outside text 0, which has 3 real tokens \(valid: -3..2\)"
+            IndexError,
+            match=r"query 3 is outside text 0, which has 3 real tokens \(valid: -3..2; .*shortest text",
         ):
             select_queries([3], self.mask, 2, 5)
         with pytest.raises(TypeError, match="queries must be an int"):

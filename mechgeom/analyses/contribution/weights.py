@@ -37,7 +37,6 @@ reader marks that head and query as *modified* (:func:`mechgeom.hooks.modified_m
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -59,6 +58,7 @@ from mechgeom.hooks import (
     Queries,
     TokensOrText,
     check_indices,
+    check_text_position,
     head_outputs,
     hook_name,
     modified_pairs,
@@ -323,16 +323,7 @@ class ContributionResult(Result):
             items = [query] if isinstance(query, int) or not isinstance(query, Sequence) else list(query)
             wanted = set()
             for q in items:
-                try:
-                    q = operator.index(q)
-                except TypeError:
-                    raise IndexError(f"query {q!r} is not an integer position") from None
-                if not -n_real <= q < n_real:
-                    raise IndexError(
-                        f"query {q} out of range for text {b}, which has {n_real} real tokens "
-                        f"(valid: {-n_real}..{n_real - 1}; -1 is its last token)"
-                    )
-                wanted.add(q % n_real)
+                wanted.add(check_text_position(q, n_real, b))
             inside = text_positions(real[None], 1, real.shape[0])[0]  # index inside the text
             ok &= torch.isin(inside[qpos.clamp_min(0)], torch.tensor(sorted(wanted), dtype=torch.long))
         src = real[None, :] & ok[:, None]  # [rows k]
