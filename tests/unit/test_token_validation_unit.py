@@ -133,7 +133,9 @@ def test_contribution_to_frame_filters_name_the_valid_range(model: Any) -> None:
         res.to_frame(heads=[-1])
     with pytest.raises(IndexError, match=rf"head {n_heads} out of range \(0..{n_heads - 1}\)"):
         res.to_frame(heads=[n_heads])
-    with pytest.raises(IndexError, match=r"query 99 out of range \(0..5\)"):
+    with pytest.raises(
+        IndexError, match=r"query 99 is outside text 0, which has 6 real tokens \(valid: -6..5"
+    ):
         res.to_frame(query=99)
     with pytest.raises(IndexError, match=r"batch 2 out of range \(0..1\)"):
         res.to_frame(batch=2)

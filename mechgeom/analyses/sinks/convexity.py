@@ -78,7 +78,7 @@ def sink_mean_split(
     ``vt_S = zs @ W_O[h]``, ``m = zm @ W_O[h]`` and ``z[i,h] = sink_mass * zs + rest_mass * zm``
     (float64). A zero mass gives NaN vectors.
     """
-    alpha = geo.pattern
+    alpha = geo.pattern.to(geo.v.dtype)  # a half-precision pattern, upcast as the values are (§1.8)
     pos = alpha.shape[-1]
     is_sink = sink_mask(sinks, pos, alpha.device)
     a_sink = alpha * is_sink  # [b h q k]

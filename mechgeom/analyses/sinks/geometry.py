@@ -181,7 +181,7 @@ class QueryRows:
     def __init__(self, geo: LayerGeometry, rows: Int[Tensor, " r"]) -> None:
         dev = geo.pattern.device
         self.rows = rows.to(dev)
-        self.pattern = geo.pattern[:, :, self.rows]
+        self.pattern = geo.pattern[:, :, self.rows].to(geo.v.dtype)  # half precision: upcast, as v is
         self.v = geo.v
         self.z = geo.z[:, self.rows]
         self.W_O = geo.W_O
