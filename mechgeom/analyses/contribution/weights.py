@@ -750,6 +750,8 @@ def contribution_weights(
         IndexError: a query position outside some text (naming its valid range).
         ValueError, TypeError: as :func:`~mechgeom.hooks.select_queries` for a bad ``queries``.
     """
+    # Why this function is long: its signature and docstring document every argument (Args, Returns,
+    # Raises); the body itself is 23 lines.
     col = ContributionCollector(model, layers, intra=intra, inter=inter, queries=queries, out_dtype=out_dtype)
     if cache is not None:
         shape = _cache_shape(cache, col.layers[0])

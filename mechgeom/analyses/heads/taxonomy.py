@@ -150,6 +150,8 @@ def layer_taxonomy(
     left out by ``queries=`` are False there (:func:`mechgeom.hooks.align_texts` gives it for a padded batch,
     each text moved to the start of its row). Only the rows of queries kept in some text are computed.
     """
+    # Why this function is long: its signature and docstring document every argument (Args, Returns,
+    # Raises); the body itself is 60 lines.
     if pattern.ndim != 4 or v.ndim != 4 or pattern.shape[-1] != pattern.shape[-2]:
         source_winners(pattern, v)  # raises with the shapes
     b, h, _, k = pattern.shape

