@@ -113,6 +113,7 @@ def contribution_output_bytes(
     intra: int,
     inter: int,
     itemsize: int = 4,
+    top_k: int | None = None,
 ) -> int:
     """Bytes of the outputs of a contribution call (pure arithmetic, nothing is run).
 
@@ -131,6 +132,8 @@ def contribution_output_bytes(
         intra: Intra-head metrics kept.
         inter: Inter-head metrics kept.
         itemsize: Bytes per value.
+        top_k: Sources kept per query row, head and metric (``top_k=``): ``min(top_k, keys)`` values and their
+            key positions (8 bytes each) instead of ``keys`` values. ``None``: every key.
 
     Returns:
         The estimate in bytes.
@@ -139,7 +142,8 @@ def contribution_output_bytes(
     174
     """
     rows = batch * layers * queries
-    return rows * keys * itemsize * (heads * intra + inter) + rows * heads * (1 + itemsize)
+    per_row = keys * itemsize if top_k is None else min(int(top_k), keys) * (itemsize + 8)
+    return rows * per_row * (heads * intra + inter) + rows * heads * (1 + itemsize)
 
 
 def check_memory(
@@ -230,15 +234,18 @@ def contribution_budget(
         intra=len(collector.intra_metrics),
         inter=len(collector.inter_metrics),
         itemsize=dtype.itemsize,
+        top_k=collector.top_k,
     )
     device = model_device(collector.model) if streaming else collector.store_device
     what = (
-        f"contributions of {batch} text(s) x {pos} positions, {layers} layer(s)"
+        f"contributions of {batch} text(s) x {pos} positions"
+        f"{'' if collector.top_k is None else f' (top {collector.top_k} sources)'}, {layers} layer(s)"
         f"{' (one at a time, streamed)' if streaming else ''}, {collector.model.cfg.n_heads} heads, "
         f"{len(collector.intra_metrics)} intra-head and {len(collector.inter_metrics)} inter-head metric(s)"
     )
     ways = [
         "queries=[-1] (or a few positions): O(k) per kept query instead of O(q k)",
+        "top_k=16: the 16 largest sources by |value| per query, head and metric, as values and key positions",
         f"fewer metrics (intra=['contribution'], inter=[]) or layers (layers=[...]); kept now: "
         f"intra={list(collector.intra_metrics)}, inter={list(collector.inter_metrics)}",
         "stream: ContributionCollector(model, on_layer=callback) needs one layer's worth "

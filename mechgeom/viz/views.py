@@ -114,6 +114,12 @@ def _tokens(result: ContributionResult, batch: int) -> list[str]:
 
 
 def _every_query(result: ContributionResult, what: str) -> None:
+    if result.top_k is not None:
+        raise ValueError(
+            f"{what} draws every query against every key, but this result keeps the top_k={result.top_k} largest "
+            "sources of each query only: use token_view(result, layer, query) for one query, or compute without "
+            "top_k="
+        )
     if result.query_index is not None:
         raise ValueError(
             f"{what} draws every query against every key, but this result holds some queries only (queries=): "
@@ -257,10 +263,11 @@ def token_view(
 
     ``query`` is a position inside text ``batch`` (padding is not counted), negative from its end: ``-1`` is
     the text's last real token. Only real tokens are drawn. A result computed with ``queries=`` has the kept
-    queries only; another one raises ``IndexError`` naming them."""
+    queries only; another one raises ``IndexError`` naming them. A ``top_k`` result draws its kept sources and 0
+    at the others (the caption says so)."""
     from circuitsvis.tokens import colored_tokens
 
-    li = result.layer_index(layer)
+    result.layer_index(layer)  # IndexError naming the analysed layers, before anything else
     n_batch, _, _ = result.shape
     batch = check_index(batch, n_batch, "batch")
     real = result.real()[batch]
@@ -278,13 +285,13 @@ def token_view(
     r = int(found[0])
     keys = keys[keys <= padded] if result.causal else keys[: query + 1]
     if head is None:
-        row = _inter(result, metric)[batch, li, r][keys.to(result.inter[metric].device)]
+        _inter(result, metric)
         where = f"layer {layer} (all heads)"
     else:
-        full = _intra(result, metric)
-        head = check_index(head, full.shape[2], "head")
-        row = full[batch, li, head, r][keys.to(full.device)]
+        head = check_index(head, _intra(result, metric).shape[2], "head")
         where = f"layer {layer}, head {head}"
+    full_row = result.key_row(metric, batch, layer, r, head=head)
+    row = full_row[keys.to(full_row.device)]
     values, n_nan = _display(row)
     top = float(values.abs().max()) or 1.0
     every = _tokens(result, batch)
@@ -301,6 +308,8 @@ def token_view(
         f"{_LABELS.get(metric, metric)} of each source to query {query} ({tokens[-1]!r}), {where}. "
         f"Blue > 0, red < 0, white = 0, saturating at ±{top:.3g}; hover for the value." + _nan_note(n_nan)
     )
+    if result.top_k is not None:
+        caption += f" Only the {result.top_k} largest |values| were kept (top_k); the other sources show 0."
     return View(f"{result.model_name or 'model'} {where} query {query}", [(caption, view)])
 
 

@@ -429,3 +429,161 @@ def test_cache_path_with_a_mask_and_queries_equals_the_live_pass(decoder):
     assert torch.equal(cached.key_mask.cpu(), mask) and torch.equal(cached.query_index, live.query_index)
     pd.testing.assert_frame_equal(cached.to_frame(), live.to_frame(), check_exact=False, rtol=1e-5, atol=1e-6)
     assert cached.summary() == pytest.approx(live.summary(), rel=1e-5)
+
+
+# --------------------------------------------------------------------------- top_k=
+
+
+def _brute_top(full, b: int, row_q: int, k: int, src: torch.Tensor, t: torch.Tensor):
+    """The ``k`` largest ``|t|`` over the sources ``src`` of one row, by a sort: (abs values, keys)."""
+    keys = src.nonzero().flatten()
+    order = sorted(keys.tolist(), key=lambda j: -float(t[j].abs()))
+    return [abs(float(t[j])) for j in order[:k]], order[:k]
+
+
+def _check_top(full, top, mask: torch.Tensor, k: int) -> None:
+    """Every row, head and metric of ``top`` against a sort of the same row of ``full`` (every query)."""
+    n_batch, n_heads, pos = full.shape
+    for b in range(n_batch):
+        for r, q in enumerate(top.query_index[b].tolist()):
+            if q < 0:
+                for t in (*top.intra_keys.values(), *top.inter_keys.values()):
+                    assert (t[b, ..., r, :] == -1).all()
+                continue
+            src = mask[b] & ((torch.arange(pos) <= q) if full.causal else True)
+            n_src = int(src.sum())
+            for li in range(len(full.layers)):
+                cases = [(m, h) for m in full.intra for h in range(n_heads)] + [(m, None) for m in full.inter]
+                for m, h in cases:
+                    if h is None:
+                        row, vals, keys = (
+                            full.inter[m][b, li, q],
+                            top.inter[m][b, li, r],
+                            top.inter_keys[m][b, li, r],
+                        )
+                    else:
+                        row, vals = full.intra[m][b, li, h, q], top.intra[m][b, li, h, r]
+                        keys = top.intra_keys[m][b, li, h, r]
+                    want_abs, _ = _brute_top(full, b, q, k, src, row)
+                    kept = min(k, n_src)
+                    assert (keys[kept:] == -1).all() and (vals[kept:] == 0).all(), (m, h)
+                    assert bool(src[keys[:kept]].all()), (m, h)  # kept keys are sources
+                    np.testing.assert_allclose(vals[:kept].abs().numpy(), want_abs, rtol=1e-5, atol=1e-6)
+                    # each kept value is the full computation's at its key
+                    torch.testing.assert_close(
+                        vals[:kept], row[keys[:kept]], rtol=1e-5, atol=1e-6, equal_nan=True
+                    )
+
+
+@pytest.mark.parametrize("queries", [None, [0, -1]], ids=["every", "some"])
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_top_k_keeps_the_largest_sources_of_the_full_computation(decoder, side, queries):
+    toks, mask, _ = _padded(_texts(), side)
+    full = contribution_weights(decoder, toks, attention_mask=mask)
+    top = contribution_weights(decoder, toks, attention_mask=mask, top_k=3, queries=queries)
+    assert top.top_k == 3 and top.shape == full.shape
+    assert {k: tuple(v.shape) for k, v in top.intra.items()} == {
+        k: (3, 2, 4, top.query_index.shape[1], 3) for k in full.intra
+    }
+    assert all(top.intra_keys[k].shape == v.shape for k, v in top.intra.items())
+    assert all(top.inter_keys[k].shape == v.shape for k, v in top.inter.items())
+    want_rows = contribution_weights(
+        decoder, toks, attention_mask=mask, queries=queries or slice(None)
+    ).query_index
+    assert torch.equal(top.query_index, want_rows)
+    _check_top(full, top, mask, 3)
+
+
+def test_top_k_on_an_encoder_and_above_the_length():
+    model = make_tiny(n_layers=1, seed=7, attention_dir="bidirectional")
+    toks, mask, _ = _padded(_texts(), "right")
+    full = contribution_weights(model, toks, attention_mask=mask)
+    top = contribution_weights(model, toks, attention_mask=mask, top_k=4)
+    _check_top(full, top, mask, 4)
+    every = contribution_weights(model, toks, attention_mask=mask, top_k=50)  # more than there are keys
+    assert every.intra["contribution"].shape[-1] == POS
+    _check_top(full, every, mask, POS)
+
+
+def test_top_k_of_a_modified_head_and_its_nan_rows():
+    model = make_tiny(n_layers=2, seed=9)
+    toks = random_tokens(2, 7, seed=4)
+    extra = head_ablation_hooks(model, [(1, 2)])
+    full = contribution_weights(model, toks, extra_hooks=extra)
+    top = contribution_weights(model, toks, extra_hooks=extra, top_k=2)
+    assert torch.equal(top.modified, full.modified)
+    torch.testing.assert_close(top.modified_share, full.modified_share, rtol=1e-5, atol=1e-6)
+    nan_rows, kept = top.intra["contribution"][:, 1, 2], top.intra_keys["contribution"][:, 1, 2] >= 0
+    assert kept[:, 1:].all() and kept[:, 0, 0].all() and not kept[:, 0, 1].any()  # query 0 has one source
+    assert torch.isnan(nan_rows[kept]).all()  # the removed head: NaN at every source
+    _check_top(full, top, torch.ones(2, 7, dtype=torch.bool), 2)
+
+
+def test_top_k_table_lists_the_kept_sources_of_each_text(decoder, alone):
+    toks, mask, _ = _padded(_texts(), "left")
+    top = contribution_weights(
+        decoder, toks, attention_mask=mask, top_k=2, intra=["contribution"], inter=["attention"]
+    )
+    df = top.to_frame()
+    assert list(df.columns) == ["batch", "layer", "head", "query", "metric", "rank", "key", "value"]
+    assert pd.api.types.is_integer_dtype(df["head"]) and pd.api.types.is_integer_dtype(df["layer"])
+    assert df.loc[df["metric"] == "layer_attention", "head"].isna().all()
+    for b, a in enumerate(alone):  # a text's rows: the two largest |c| of its own table, positions inside it
+        want = a.to_frame()
+        for (layer, head, q), grp in df[(df["batch"] == b) & (df["metric"] == "contribution")].groupby(
+            ["layer", "head", "query"]
+        ):
+            ref = want[(want["layer"] == layer) & (want["head"] == head) & (want["query"] == q)]
+            ref = ref.reindex(ref["contribution"].abs().sort_values(ascending=False).index)[:2]
+            assert grp["rank"].tolist() == list(range(len(ref)))
+            assert grp["key"].tolist() == ref["key"].tolist()
+            np.testing.assert_allclose(grp["value"], ref["contribution"], rtol=1e-5, atol=1e-6)
+    n_sources = sum(min(2, q + 1) for n in LENGTHS for q in range(n))
+    assert len(df) == n_sources * 2 * (4 + 1)  # (4 heads + the layer row) per layer
+    assert set(top.to_frame(heads=1)["metric"]) == {"contribution"}
+    last = top.to_frame(query=-1, layers=1)
+    assert last.groupby("batch")["query"].unique().map(list).tolist() == [[n - 1] for n in LENGTHS]
+    with pytest.raises(ValueError, match=r"above max_rows=10\b"):
+        top.to_frame(max_rows=10)
+
+
+def test_top_k_collect_batches_stream_and_views(decoder):
+    from mechgeom.viz.views import head_view, token_view
+
+    toks, mask, _ = _padded(_texts(), "right")
+    want = contribution_weights(decoder, toks, attention_mask=mask, top_k=2)
+    got = collect(decoder, toks, ContributionCollector(decoder, top_k=2), batch_size=2, attention_mask=mask)
+    for k in want.intra:
+        torch.testing.assert_close(got.intra[k], want.intra[k], rtol=1e-5, atol=1e-6, equal_nan=True)
+        assert torch.equal(got.intra_keys[k], want.intra_keys[k])
+    seen = {}
+    col = ContributionCollector(decoder, top_k=2, on_layer=lambda layer, p: seen.setdefault(layer, p))
+    run_hooks(decoder, toks, col.fwd_hooks, attention_mask=mask)
+    assert torch.equal(seen[1]["intra_keys"]["contribution"], want.intra_keys["contribution"][:, 1])
+    # the token view draws the kept sources at their keys and 0 at the others
+    full = contribution_weights(decoder, toks, attention_mask=mask)
+    drawn = np.array(_token_props(token_view(want, 1, -1, head=2, batch=1))["values"])
+    ref = full.intra["contribution"][1, 1, 2, LENGTHS[1] - 1].numpy()
+    keep = np.argsort(-np.abs(ref))[:2]
+    np.testing.assert_allclose(drawn[keep], ref[keep], rtol=1e-5, atol=1e-6)
+    assert (np.delete(drawn, keep) == 0).all()
+    with pytest.raises(ValueError, match=r"top_k=2 largest.*token_view"):
+        head_view(want, 1, 2)
+    with pytest.raises(ValueError, match=r"summary\(\) needs every source.*top_k=2"):
+        want.summary()
+    with pytest.raises(ValueError, match=r"special_token_frame\(\) needs every source"):
+        want.special_token_frame()
+
+
+def test_top_k_fits_a_budget_the_whole_result_does_not(decoder):
+    from mechgeom.analyses.budget import MemoryBudgetError
+
+    toks = random_tokens(1, 24, seed=2)
+    budget = 60_000  # the full family of 2 layers at 24 tokens is ~84 kB; top_k=2 about 18 kB
+    with pytest.raises(MemoryBudgetError, match=r"top_k=16"):
+        contribution_weights(decoder, toks, memory_budget=budget)
+    top = contribution_weights(decoder, toks, memory_budget=budget, top_k=2)
+    assert top.intra["contribution"].shape[-1] == 2
+    for bad in (0, -1, True, 1.5, "3"):
+        with pytest.raises(ValueError, match=r"top_k must be a positive int"):
+            contribution_weights(decoder, toks, top_k=bad)

@@ -18,7 +18,7 @@ equal the same rows of the full computation.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from functools import cached_property
 
 import einops
@@ -29,7 +29,7 @@ from mechgeom.analyses.contribution.geometry import BLOCK_SIZE, LayerGeometry
 from mechgeom.hooks import LayerActivations, Queries, select_queries
 from mechgeom.typing import Bool, Float, Int, Tensor
 
-__all__ = ["QueryRows", "query_index", "row_metrics"]
+__all__ = ["QueryRows", "query_index", "row_metrics", "source_mask", "top_row_metrics"]
 
 
 def query_index(
@@ -145,6 +145,85 @@ class _RowBlock:
         return t[..., self._rows, :] if metrics.QUANTITIES[name].axis == "query" else t
 
 
+def source_mask(
+    key_mask: Bool[Tensor, "batch pos"] | None,
+    index: Int[Tensor, "batch query_pos"],
+    n_keys: int,
+    causal: bool,
+    device: torch.device,
+) -> Bool[Tensor, "batch query_pos key_pos"]:
+    """Which keys are sources of each kept row: real keys of a real query (of a non-empty row), and on a
+    decoder (``causal``) no key after the query."""
+    real = (
+        torch.ones(index.shape[0], n_keys, dtype=torch.bool, device=device)
+        if key_mask is None
+        else key_mask.bool().to(device)
+    )
+    qpos = index.to(device)
+    src = real[:, None, :] & ((qpos >= 0) & real.gather(1, qpos.clamp_min(0)))[..., None]
+    if causal:
+        src &= torch.arange(n_keys, device=device) <= qpos[..., None]
+    return src
+
+
+RowBlocks = Iterator[tuple[int, int, dict[str, Tensor], Bool[Tensor, "batch query_pos key_pos"]]]
+
+
+def _row_blocks(
+    rows: QueryRows,
+    acts: LayerActivations,
+    index: Int[Tensor, "batch query_pos"],
+    intra: Sequence[str],
+    inter: Sequence[str],
+    block_size: int,
+    out: Callable[[str, int, int], Tensor | None],
+) -> RowBlocks:
+    """The metrics of the kept rows, one block of rows at a time: ``(r0, r1, {name: tensor}, src)`` with
+    intra-head metrics under their name (``[b h r k]``), inter-head ones under ``"layer_" + name``
+    (``[b r k]``) and ``src [b r k]`` the sources of the block's rows (:func:`source_mask`); every entry at a
+    key that is not a source is exactly 0. ``out(key, r0, r1)`` gives where a formula writes a block
+    (``None``: fresh memory)."""
+    alpha = rows.pattern
+    n = alpha.shape[2]
+    keys = [metrics.lookup(m, "intra").key for m in intra if m != "attention"]
+    keys += [metrics.lookup(m, "inter").key for m in inter]
+    quantities, steps = metrics.plan(keys)
+    prepared: dict[str, Tensor] = {}
+    for quantity in quantities:
+        prepared[quantity.name] = quantity.prepare(rows, prepared)  # type: ignore[arg-type]
+    keep = None if rows.modified is None else (~rows.modified).to(alpha.dtype)[..., None]
+    step = max(1, int(block_size))
+    for r0 in range(0, n, step):
+        r1 = min(r0 + step, n)
+        block = _RowBlock(rows, prepared, keep, r0, r1)
+        for step_ in steps:
+            assert step_.formula is not None
+            block.done[step_.key] = step_.formula(
+                block, out(step_.key, r0, r1) if step_.key in keys else None
+            )
+        # not sources: keys after the query (a decoder), padding, and the empty rows
+        src = source_mask(acts.key_mask, index[:, r0:r1], alpha.shape[-1], acts.causal, alpha.device)
+        got: dict[str, Tensor] = {}
+        for m in intra:
+            t = block.alpha if m == "attention" else block.done[metrics.lookup(m, "intra").key]
+            got[m] = t.masked_fill(~src[:, None], 0) if m == "attention" else t.masked_fill_(~src[:, None], 0)
+        for m in inter:
+            got["layer_" + m] = block.done[metrics.lookup(m, "inter").key].masked_fill_(~src, 0)
+        yield r0, r1, got, src
+
+
+def _modified_rows(
+    rows: QueryRows, src: Bool[Tensor, "batch query_pos key_pos"]
+) -> tuple[Bool[Tensor, "batch head_index query_pos"], Float[Tensor, "batch head_index query_pos"]]:
+    """``(modified, modified_share)`` of the kept rows (``[b h n]``), 0 at rows with no source."""
+    B, H, n, _ = rows.pattern.shape
+    any_src = src.any(-1)[:, None]
+    modified = torch.zeros((B, H, n), dtype=torch.bool, device=src.device)
+    if rows.modified is not None:
+        modified = rows.modified & any_src
+    return modified, rows.modified_share().masked_fill(~any_src, 0)
+
+
 def row_metrics(
     acts: LayerActivations,
     index: Int[Tensor, "batch query_pos"],
@@ -170,40 +249,78 @@ def row_metrics(
     rows = QueryRows(acts, index)
     alpha = rows.pattern
     B, H, n, K = alpha.shape
-    keys = [metrics.lookup(m, "intra").key for m in intra if m != "attention"]
-    keys += [metrics.lookup(m, "inter").key for m in inter]
-    quantities, steps = metrics.plan(keys)
-    out = {
-        k: alpha.new_empty((B, n, K) if metrics.lookup(k).scope == "inter" else (B, H, n, K)) for k in keys
-    }
+    full = {m: alpha.new_empty((B, H, n, K)) for m in intra}
+    full.update({"layer_" + m: alpha.new_empty((B, n, K)) for m in inter})
+    owner = {metrics.lookup(m, "intra").key: m for m in intra if m != "attention"}
+    owner.update({metrics.lookup(m, "inter").key: "layer_" + m for m in inter})
+
+    def out(key: str, r0: int, r1: int) -> Tensor:
+        return full[owner[key]][..., r0:r1, :]
+
+    srcs = []
     with torch.no_grad():
-        prepared: dict[str, Tensor] = {}
-        for quantity in quantities:
-            prepared[quantity.name] = quantity.prepare(rows, prepared)  # type: ignore[arg-type]
-        keep = None if rows.modified is None else (~rows.modified).to(alpha.dtype)[..., None]
-        for r0 in range(0, n, max(1, int(block_size))):
-            r1 = min(r0 + max(1, int(block_size)), n)
-            block = _RowBlock(rows, prepared, keep, r0, r1)
-            for m in steps:
-                assert m.formula is not None
-                block.done[m.key] = m.formula(block, out[m.key][..., r0:r1, :] if m.key in out else None)
-        # not sources: keys after the query (a decoder), padding, and the empty rows
-        device = alpha.device
-        real = (
-            torch.ones(B, K, dtype=torch.bool, device=device)
-            if acts.key_mask is None
-            else acts.key_mask.bool().to(device)
-        )
-        qpos = index.to(device)
-        src = real[:, None, :] & ((qpos >= 0) & real.gather(1, qpos.clamp_min(0)))[..., None]  # [b n k]
-        if acts.causal:
-            src &= torch.arange(K, device=device) <= qpos[..., None]
-        for k, t in out.items():
-            t.masked_fill_(~(src if metrics.lookup(k).scope == "inter" else src[:, None]), 0)
-        got_intra = {m: (alpha.masked_fill(~src[:, None], 0) if m == "attention" else out[m]) for m in intra}
-        got_inter = {m: out[metrics.lookup(m, "inter").key] for m in inter}
-        modified = torch.zeros((B, H, n), dtype=torch.bool, device=device)
-        if rows.modified is not None:
-            modified = rows.modified & src.any(-1)[:, None]
-        share = rows.modified_share().masked_fill(~src.any(-1)[:, None], 0)
+        for r0, r1, got, src in _row_blocks(rows, acts, index, intra, inter, block_size, out):
+            for name, t in got.items():
+                dst = full[name][..., r0:r1, :]
+                if (
+                    t.data_ptr() != dst.data_ptr()
+                ):  # attention (the pattern itself), or a formula's own tensor
+                    dst.copy_(t)
+            srcs.append(src)
+        modified, share = _modified_rows(rows, torch.cat(srcs, dim=1) if srcs else _no_rows(alpha))
+    return {m: full[m] for m in intra}, {m: full["layer_" + m] for m in inter}, modified, share
+
+
+def _no_rows(alpha: Tensor) -> Tensor:
+    B, _, n, K = alpha.shape
+    return torch.zeros((B, n, K), dtype=torch.bool, device=alpha.device)
+
+
+def top_row_metrics(
+    acts: LayerActivations,
+    index: Int[Tensor, "batch query_pos"],
+    intra: Sequence[str],
+    inter: Sequence[str],
+    top_k: int,
+    *,
+    block_size: int = BLOCK_SIZE,
+) -> tuple[dict[str, tuple[Tensor, Tensor]], dict[str, tuple[Tensor, Tensor]], Tensor, Tensor]:
+    """The ``top_k`` largest sources by absolute value of each kept row, per head and metric: the metrics of
+    :func:`row_metrics`, reduced block by block, so the memory is ``O(top_k)`` per kept row and head (plus
+    one block of ``block_size`` rows against every key).
+
+    Args:
+        acts, index, intra, inter, block_size: as :func:`row_metrics`.
+        top_k: sources kept per row (at most the number of keys).
+
+    Returns:
+        ``(intra, inter, modified, modified_share)``: ``intra[name] = (values [b h n k], keys [b h n k])`` and
+        ``inter[name] = (values [b n k], keys [b n k])`` with ``k = min(top_k, key_pos)``, in decreasing
+        ``|value|`` (a NaN, the metric of a row with no output, first); ``keys`` are padded key positions,
+        ``-1`` (with value 0) where the row has fewer than ``k`` sources. ``modified`` and ``modified_share``
+        as :func:`row_metrics`.
+    """
+    rows = QueryRows(acts, index)
+    alpha = rows.pattern
+    B, H, n, K = alpha.shape
+    k = min(int(top_k), K)
+    dev = alpha.device
+    shapes: dict[str, tuple[int, ...]] = {m: (B, H, n, k) for m in intra}
+    shapes.update({"layer_" + m: (B, n, k) for m in inter})
+    values = {name: alpha.new_zeros(shape) for name, shape in shapes.items()}
+    keys = {name: torch.full(shape, -1, dtype=torch.long, device=dev) for name, shape in shapes.items()}
+    any_src = torch.zeros((B, n), dtype=torch.bool, device=dev)
+    with torch.no_grad():
+        for r0, r1, got, src in _row_blocks(rows, acts, index, intra, inter, block_size, lambda *_: None):
+            any_src[:, r0:r1] = src.any(-1)
+            for name, t in got.items():
+                s = src if name.startswith("layer_") else src[:, None]
+                score = t.abs().masked_fill(~s, -1.0)  # |value| >= 0 at a source, NaN first (topk's order)
+                top, where = score.topk(k, dim=-1)
+                kept = (top >= 0) | top.isnan()
+                values[name][..., r0:r1, :] = torch.where(kept, t.gather(-1, where), 0)
+                keys[name][..., r0:r1, :] = torch.where(kept, where, -1)
+        modified, share = _modified_rows(rows, any_src[..., None])
+    got_intra = {m: (values[m], keys[m]) for m in intra}
+    got_inter = {m: (values["layer_" + m], keys["layer_" + m]) for m in inter}
     return got_intra, got_inter, modified, share

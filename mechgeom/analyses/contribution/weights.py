@@ -50,7 +50,7 @@ from mechgeom._progress import progress
 from mechgeom.analyses.base import Collector, Result, nothing_collected, run_collector
 from mechgeom.analyses.budget import contribution_budget
 from mechgeom.analyses.contribution.geometry import INTER_METRICS, INTRA_METRICS, LayerGeometry, compute_dtype
-from mechgeom.analyses.contribution.rows import query_index, row_metrics
+from mechgeom.analyses.contribution.rows import query_index, row_metrics, top_row_metrics
 from mechgeom.analyses.contribution.stats import SUMMARY_METRICS, result_summary, special_token_frame
 from mechgeom.hooks import (
     FwdHook,
@@ -122,6 +122,14 @@ class ContributionResult(Result):
     keeps fewer, which holds 0). Without ``queries=``, ``query_index`` is ``None`` and row ``i`` is position
     ``i``. The kept rows equal the same rows of the full computation.
 
+    **The largest sources only** (``top_k=``). Then the last axis holds, per row, head and metric, the ``k``
+    sources of largest ``|value|`` (in that order; a NaN, the metric of a row with no output, first):
+    ``intra[name]`` is ``[batch, layer, head_index, query_pos, k]`` and ``intra_keys[name]`` the padded key
+    position of each value (``-1`` with value 0 where the row has fewer sources); the same for ``inter`` with
+    ``inter_keys``. The query axis is as with ``queries=`` (every real query without it). Every kept value
+    equals the full computation's at that key. :meth:`summary` and :meth:`special_token_frame` need every
+    source and refuse such a result; :meth:`to_frame` lists the kept sources; :meth:`key_row` scatters them.
+
     ``modified[b, l, h, i]`` marks the heads whose ``z`` an earlier hook changed, and ``modified_share`` is
     their part ``<o[i], o[i,h]> / ‖o[i]‖²`` of the layer output (0 elsewhere); see "After an intervention"
     in the module docstring. ``tokens`` is ``None`` when the result was built from a cache without them.
@@ -143,8 +151,17 @@ class ContributionResult(Result):
     #: at a padded query or key.
     key_mask: Bool[Tensor, "batch pos"] | None = None
     #: ``[batch, n]``: the padded position of each row of the query axis (``-1``: an empty row); ``None``: the
-    #: query axis is every position (row ``i`` is position ``i``). Set by ``queries=``.
+    #: query axis is every position (row ``i`` is position ``i``). Set by ``queries=`` and by ``top_k=``.
     query_index: Int[Tensor, "batch query_pos"] | None = None
+    #: The sources kept per row, head and metric (``top_k=``); ``None``: every key (the last axis is ``key_pos``).
+    top_k: int | None = None
+    #: With ``top_k``: the padded key position of each kept value, ``[batch, layer, head_index, query_pos, k]``
+    #: per intra-head metric (``-1``: none, the row has fewer sources; its value is 0).
+    intra_keys: dict[str, Int[Tensor, "batch layer head_index query_pos k"]] | None = None
+    #: With ``top_k``: the same for the inter-head metrics, ``[batch, layer, query_pos, k]``.
+    inter_keys: dict[str, Int[Tensor, "batch layer query_pos k"]] | None = None
+    #: With ``top_k``: the padded length of the texts (the last axis of the metrics is then the kept sources).
+    n_positions: int | None = None
 
     @property
     def modified_heads(self) -> list[tuple[int, int]]:
@@ -157,8 +174,8 @@ class ContributionResult(Result):
         t = next(iter(self.intra.values())) if self.intra else None
         if t is None:
             t4 = next(iter(self.inter.values()))
-            return int(t4.shape[0]), 0, int(t4.shape[-1])
-        return int(t.shape[0]), int(t.shape[2]), int(t.shape[-1])
+            return int(t4.shape[0]), 0, int(self.n_positions or t4.shape[-1])
+        return int(t.shape[0]), int(t.shape[2]), int(self.n_positions or t.shape[-1])
 
     def rows(self) -> Int[Tensor, "batch query_pos"]:
         """The padded position of each row of the query axis, ``[batch, rows]`` (``-1``: an empty row)."""
@@ -175,6 +192,40 @@ class ContributionResult(Result):
             if self.key_mask is None
             else self.key_mask.bool().cpu()
         )
+
+    def _every_source(self, what: str) -> None:
+        if self.top_k is not None:
+            raise ValueError(
+                f"{what} needs every source of each query, but this result keeps the top_k={self.top_k} largest "
+                "only: compute without top_k= (queries=[-1] keeps it small), or use contribution_overview, which "
+                "streams the summary statistics over every source"
+            )
+
+    def key_row(
+        self, metric: str, batch: int, layer: int, row: int, *, head: int | None = None
+    ) -> Float[Tensor, " key_pos"]:
+        """One row of a metric against every key, ``[pos]`` (padded positions): the intra-head ``metric`` of
+        ``head``, or the inter-head one when ``head`` is ``None``. For a ``top_k`` result the kept sources are
+        scattered at their keys and every other key is 0 (not computed, not necessarily 0).
+
+        Args:
+            metric: a metric of the result (``KeyError`` names those it has).
+            batch: the text; layer: a model layer that was analysed; row: a row of the query axis
+                (:meth:`rows` gives its padded position); head: a head, or ``None`` for the whole layer.
+        """
+        table, keys = (self.inter, self.inter_keys) if head is None else (self.intra, self.intra_keys)
+        if metric not in table:
+            kind = "inter" if head is None else "intra"
+            raise KeyError(f"{kind}-head metric {metric!r} is not in the result; it has {sorted(table)}")
+        li = self.layer_index(layer)
+        pick = (batch, li, row) if head is None else (batch, li, head, row)
+        values = table[metric][pick]
+        if keys is None:
+            return values
+        where = keys[metric][pick]
+        out = values.new_zeros(self.shape[2])
+        kept = where >= 0
+        return out.index_put_((where[kept],), values[kept])
 
     def layer_index(self, layer: int) -> int:
         try:
@@ -201,6 +252,7 @@ class ContributionResult(Result):
         ``batch`` keeps some texts (an int or a sequence; ``IndexError`` names the range): ``summary(batch=b)``
         is the summary of text ``b`` run alone. With ``queries=``, the counted queries are the kept ones.
         """
+        self._every_source("summary()")
         n_batch = self.shape[0]
         sel = check_indices(batch, n_batch, "batch")
         keep = None if batch is None else torch.tensor(sel, dtype=torch.long)
@@ -225,6 +277,7 @@ class ContributionResult(Result):
     def special_token_frame(self) -> pd.DataFrame:
         """An encoder's ``[CLS]`` and ``[SEP]`` under attention, output-normalised value weight and contribution,
         per (layer, head): :func:`~mechgeom.analyses.contribution.stats.special_token_frame`."""
+        self._every_source("special_token_frame()")
         return special_token_frame(self.layers, self.intra, self.key_mask, self.query_index)
 
     def to_frame(
@@ -247,6 +300,11 @@ class ContributionResult(Result):
         has); padding has no row (see "Padding" in the class docstring for the padded index). With
         ``queries=``, only the kept queries have rows.
 
+        **A top_k result** has a long table instead, one row per kept source of each (text, layer, head,
+        query, metric): ``batch, layer, head, query, [query_token], metric, rank, key, [key_token], value``,
+        ``rank`` 0 the largest ``|value|``. Inter-head metrics are named ``layer_<metric>`` with ``head`` NA
+        (``head`` is a nullable integer column); they are left out when ``heads`` is given.
+
         Args:
             batch, layers, heads: filters, each checked (an index out of range raises ``IndexError`` naming the
                 valid range; a layer that was not analysed names the analysed ones). ``None``: all.
@@ -268,6 +326,9 @@ class ContributionResult(Result):
                 self.layer_index(layer)
         h_sel = check_indices(heads, n_heads, "head")
         real_all, rows = self.real(), self.rows()
+        if self.top_k is not None:
+            kept = {b: self._row_filter(b, query, real_all[b], rows[b]) for b in b_sel}
+            return self._top_frame(kept, l_sel, h_sel if heads is not None else None, max_rows)
         pairs = {b: self._pairs(b, query, real_all[b], rows[b]) for b in b_sel}
         n_rows = sum(len(r) for r, _ in pairs.values()) * len(l_sel) * len(h_sel)
         if max_rows is not None and n_rows > max_rows:
@@ -310,13 +371,12 @@ class ContributionResult(Result):
                     frames.append(pd.DataFrame(cols))
         return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
 
-    def _pairs(
+    def _row_filter(
         self, b: int, query: int | Sequence[int] | None, real: Tensor, qpos: Tensor
-    ) -> tuple[Tensor, Tensor]:
-        """``(row, key)`` of text ``b``'s table: the row of the query axis and the padded key position of each
-        source (``key <= query`` on a decoder, every real key on an encoder) of the real queries kept by
-        ``query`` (positions inside the text, negative from its end), in row-major order. ``real`` is the
-        text's real tokens, ``qpos`` the padded position of each row (``-1``: an empty row)."""
+    ) -> Bool[Tensor, " query_pos"]:
+        """The rows of text ``b``'s query axis in its table: real queries kept by ``query`` (positions inside
+        the text, negative from its end). ``real`` is the text's real tokens, ``qpos`` the padded position of
+        each row (``-1``: an empty row)."""
         n_real = int(real.sum())
         ok = (qpos >= 0) & real[qpos.clamp_min(0)]
         if query is not None:
@@ -326,11 +386,73 @@ class ContributionResult(Result):
                 wanted.add(check_text_position(q, n_real, b))
             inside = text_positions(real[None], 1, real.shape[0])[0]  # index inside the text
             ok &= torch.isin(inside[qpos.clamp_min(0)], torch.tensor(sorted(wanted), dtype=torch.long))
+        return ok
+
+    def _pairs(
+        self, b: int, query: int | Sequence[int] | None, real: Tensor, qpos: Tensor
+    ) -> tuple[Tensor, Tensor]:
+        """``(row, key)`` of text ``b``'s table: the row of the query axis and the padded key position of each
+        source (``key <= query`` on a decoder, every real key on an encoder) of the rows :meth:`_row_filter`
+        keeps, in row-major order."""
+        ok = self._row_filter(b, query, real, qpos)
         src = real[None, :] & ok[:, None]  # [rows k]
         if self.causal:
             src &= torch.arange(real.shape[0]) <= qpos[:, None]
         rr, kk = src.nonzero(as_tuple=True)
         return rr, kk
+
+    def _top_frame(
+        self,
+        kept: dict[int, Tensor],
+        l_sel: list[int],
+        h_sel: list[int] | None,
+        max_rows: int | None,
+    ) -> pd.DataFrame:
+        """The long table of a ``top_k`` result (see :meth:`to_frame`): ``kept[b]`` the rows of text ``b``,
+        ``h_sel`` the heads (``None``: every head, and the inter-head metrics)."""
+        assert self.intra_keys is not None and self.inter_keys is not None
+        n_batch, n_heads, pos = self.shape
+        li = torch.tensor([self.layer_index(layer) for layer in l_sel], dtype=torch.long)
+        hi = torch.arange(n_heads) if h_sel is None else torch.tensor(h_sel, dtype=torch.long)
+        rows, positions = self.rows(), text_positions(self.key_mask, n_batch, pos)
+        parts: list[tuple[int, str, Tensor, Tensor, Tensor | None]] = []  # b, metric, values, keys, heads
+        for b, ok in kept.items():
+            for m, t in self.intra.items():  # [l h n k] -> the selected layers and heads
+                vals, keys = (
+                    x[b][li.to(x.device)][:, hi.to(x.device)].cpu() for x in (t, self.intra_keys[m])
+                )
+                parts.append((b, m, vals, keys.masked_fill(~ok[None, None, :, None], -1), hi))
+            if h_sel is None:
+                for m, t in self.inter.items():  # [l n k]
+                    vals, keys = (x[b][li.to(x.device)].cpu() for x in (t, self.inter_keys[m]))
+                    parts.append((b, f"layer_{m}", vals, keys.masked_fill(~ok[None, :, None], -1), None))
+        n_rows = sum(int((keys >= 0).sum()) for _, _, _, keys, _ in parts)
+        if max_rows is not None and n_rows > max_rows:
+            raise ValueError(
+                f"to_frame would build {n_rows:,} rows (the kept sources of {len(kept)} text(s) x {len(l_sel)} "
+                f"layer(s)), above max_rows={max_rows:,}: filter with batch=, layers=, heads= or query=, or pass "
+                "a larger max_rows= (None: no limit)"
+            )
+        str_tokens = self.str_tokens if self.tokens is not None else None
+        frames = []
+        for b, metric, vals, keys, heads in parts:
+            idx = (keys >= 0).nonzero(as_tuple=True)  # (l, [h,] row, rank), row-major
+            l_at, r_at, rank = idx[0], idx[-2], idx[-1]
+            qq, kk = rows[b][r_at], keys[idx]
+            cols: dict[str, Any] = {
+                "batch": b,
+                "layer": torch.tensor(l_sel, dtype=torch.long)[l_at].numpy(),
+                "head": pd.array(heads[idx[1]].numpy() if heads is not None else [pd.NA] * len(kk), "Int64"),
+                "query": positions[b][qq].numpy(),
+            }
+            if str_tokens is not None:
+                cols["query_token"] = [str_tokens[b][i] for i in qq.tolist()]
+            cols.update({"metric": metric, "rank": rank.numpy(), "key": positions[b][kk].numpy()})
+            if str_tokens is not None:
+                cols["key_token"] = [str_tokens[b][j] for j in kk.tolist()]
+            cols["value"] = vals[idx].numpy()
+            frames.append(pd.DataFrame(cols))
+        return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
 
 
 class ContributionCollector(Collector):
@@ -349,7 +471,11 @@ class ContributionCollector(Collector):
     ``queries`` (as :func:`~mechgeom.hooks.select_queries` takes it: positions inside each text, ``-1`` its
     last real token; a slice; a boolean mask) computes the kept queries' rows only, ``O(k)`` per kept query
     (:mod:`mechgeom.analyses.contribution.rows`); the result's query axis then holds those rows
-    (``ContributionResult.query_index``).
+    (``ContributionResult.query_index``). ``top_k`` keeps, per row, head and metric, the ``top_k`` sources of
+    largest ``|value|`` as values and key positions (every real query's row without ``queries``), computed a
+    block of rows at a time, so memory is ``O(top_k)`` per row (:func:`~mechgeom.analyses.contribution.rows.
+    top_row_metrics`); see "The largest sources only" in :class:`ContributionResult`. With ``on_layer`` the
+    payload then has ``intra_keys`` and ``inter_keys`` as well.
 
     **Recycled buffers (the on_layer contract).** After ``on_layer`` returns, each metric tensor it was
     given is written again for the next layer *unless the callback kept a reference to it or to any view
@@ -388,7 +514,12 @@ class ContributionCollector(Collector):
         reuse_buffers: bool = False,
         queries: Queries = None,
         out_dtype: torch.dtype | None = None,
+        top_k: int | None = None,
     ) -> None:
+        if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
+            raise ValueError(
+                f"top_k must be a positive int (the sources kept per query and head), got {top_k!r}"
+            )
         if reuse_buffers and on_layer is None:
             raise ValueError(
                 "reuse_buffers=True needs an on_layer callback (the buffers are overwritten per layer)"
@@ -422,8 +553,14 @@ class ContributionCollector(Collector):
         self._after_layer: Callable[[int], Any] | None = None  # progress of contribution_weights
         self._key_mask: Tensor | None = None  # the real tokens of the current pass (LayerActivations)
         self.queries = queries
+        #: The sources kept per row, head and metric (``None``: every key).
+        self.top_k = top_k
+        self._keys: dict[
+            int, tuple[dict[str, Tensor], dict[str, Tensor]]
+        ] = {}  # layer -> top_k key positions
         self._query_index: Tensor | None = None  # [b n]: the kept queries of the current pass (queries=)
         self._batch = 0  # texts in the current pass
+        self._n_pos = 0  # its padded length
         self._texts_done = 0  # texts of the passes before it (to cut a [texts, pos] queries mask)
         self._passes: list[_Pass] = []  # the finished passes (batches of collect())
         self._workspace: dict[str, Tensor] = {}  # LayerGeometry's temporaries, kept between layers
@@ -491,22 +628,21 @@ class ContributionCollector(Collector):
             self._finish_pass()  # a layer seen again: a new pass (a batch of collect()) begins
         B, _, Q, _ = acts.pattern.shape
         self._key_mask = None if acts.key_mask is None else acts.key_mask.to(self.store_device)
-        self._batch = B
-        if self.queries is not None:
+        self._batch, self._n_pos = B, int(acts.pattern.shape[-1])
+        keys: tuple[dict[str, Tensor], dict[str, Tensor]] | None = None
+        if self.queries is not None or self.top_k is not None:
             self._query_index = query_index(self._pass_queries(B), acts.key_mask, B, Q)
-            intra, inter, modified, share = row_metrics(
-                acts, self._query_index, self.intra_metrics, self.inter_metrics
-            )
-            dtype = self._dtype(acts)
-            intra = {m: t.to(self.store_device, dtype) for m, t in intra.items()}
-            inter = {m: t.to(self.store_device, dtype) for m, t in inter.items()}
-            modified, share = modified.to(self.store_device), share.to(self.store_device, dtype)
+            intra, inter, modified, share, keys = self._rows(acts, self._query_index)
         else:
             intra, inter, modified, share = self._full_layer(acts)
+        if keys is not None:
+            self._keys[acts.layer] = keys
         if self.user_on_layer is not None:
             payload = {"intra": intra, "inter": inter, "modified": modified, "modified_share": share}
             payload["key_mask"] = self._key_mask
             payload["query_index"] = self._query_index
+            if keys is not None:
+                payload["intra_keys"], payload["inter_keys"] = keys
             del intra, inter
             self._written()
             try:
@@ -521,6 +657,29 @@ class ContributionCollector(Collector):
             self._modified[acts.layer] = (modified, share)
         if self._after_layer is not None:
             self._after_layer(acts.layer)
+
+    def _rows(
+        self, acts: LayerActivations, index: Tensor
+    ) -> tuple[dict[str, Tensor], dict[str, Tensor], Tensor, Tensor, Any]:
+        """The kept rows ``index`` of the layer (``queries=``), or their ``top_k`` largest sources:
+        ``(intra, inter, modified, modified_share, keys)`` on the store device, ``keys`` the ``(intra, inter)``
+        key positions of a ``top_k`` collector (else ``None``)."""
+        dtype, dev = self._dtype(acts), self.store_device
+        keys = None
+        if self.top_k is None:
+            intra, inter, modified, share = row_metrics(acts, index, self.intra_metrics, self.inter_metrics)
+        else:
+            top = top_row_metrics(acts, index, self.intra_metrics, self.inter_metrics, self.top_k)
+            intra = {m: v for m, (v, _) in top[0].items()}
+            inter = {m: v for m, (v, _) in top[1].items()}
+            keys = (
+                {m: k.to(dev) for m, (_, k) in top[0].items()},
+                {m: k.to(dev) for m, (_, k) in top[1].items()},
+            )
+            modified, share = top[2], top[3]
+        intra = {m: t.to(dev, dtype) for m, t in intra.items()}
+        inter = {m: t.to(dev, dtype) for m, t in inter.items()}
+        return intra, inter, modified.to(dev), share.to(dev, dtype), keys
 
     def _pass_queries(self, batch: int) -> Queries:
         """``queries`` for this pass: a ``[texts, pos]`` mask given for every text of a ``collect()`` run is
@@ -578,11 +737,28 @@ class ContributionCollector(Collector):
             }
         modified = torch.stack([self._modified[la][0] for la in self.layers], dim=1)
         share = torch.stack([self._modified[la][1] for la in self.layers], dim=1)
+        keys = None
+        if self.top_k is not None:
+
+            def stacked(kind: int, names: Sequence[str]) -> dict[str, Tensor]:
+                return {m: torch.stack([self._keys[la][kind][m] for la in self.layers], dim=1) for m in names}
+
+            keys = (stacked(0, self.intra_metrics), stacked(1, self.inter_metrics))
         self._passes.append(
-            _Pass(intra, inter, modified, share, self._key_mask, self._query_index, self._batch)
+            _Pass(
+                intra,
+                inter,
+                modified,
+                share,
+                self._key_mask,
+                self._query_index,
+                self._batch,
+                self._n_pos,
+                keys,
+            )
         )
         self._texts_done += self._batch
-        self._intra, self._inter, self._modified = {}, {}, {}
+        self._intra, self._inter, self._modified, self._keys = {}, {}, {}, {}
         self._store, self._key_mask, self._query_index = None, None, None
 
     def build(self, tokens: Tokens | None) -> ContributionResult:
@@ -614,6 +790,10 @@ class ContributionCollector(Collector):
             causal=self.causal,
             key_mask=p.key_mask,
             query_index=p.query_index,
+            top_k=self.top_k,
+            intra_keys=None if p.keys is None else p.keys[0],
+            inter_keys=None if p.keys is None else p.keys[1],
+            n_positions=None if p.keys is None else p.n_positions,
         )
 
 
@@ -628,19 +808,23 @@ class _Pass:
     key_mask: Tensor | None
     query_index: Tensor | None
     batch: int
+    #: The padded length of the pass' texts (the key axis).
+    n_positions: int
+    #: ``(intra, inter)`` key positions of a ``top_k`` collector's values; ``None``: every key.
+    keys: tuple[dict[str, Tensor], dict[str, Tensor]] | None = None
 
     @staticmethod
     def concat(passes: Sequence[_Pass]) -> _Pass:
         """The passes one after the other on the batch axis; a pass with fewer kept query rows gets empty ones
         (``query_index = -1``, metrics 0). Passes of different lengths are refused (``ValueError``)."""
         lengths = {int(p.modified.shape[-1]) if p.query_index is None else -1 for p in passes}
-        keys = {int(next(iter({**p.intra, **p.inter}.values())).shape[-1]) for p in passes}
-        if len(keys) > 1:
+        n_pos = {p.n_positions for p in passes}
+        if len(n_pos) > 1:
             raise ValueError(
-                f"the passes this collector saw have {sorted(keys)} positions: one result needs texts of one "
+                f"the passes this collector saw have {sorted(n_pos)} positions: one result needs texts of one "
                 "padded length; pad them together (collect(model, texts, ...) does) or use one collector per length"
             )
-        (k,) = keys
+        (k,) = n_pos
         n = max(int(p.modified.shape[-1]) for p in passes)
         rows = None
         if any(p.query_index is not None for p in passes) or lengths != {k}:
@@ -655,12 +839,12 @@ class _Pass:
                 ]
             )
 
-        def cat(ts: list[Tensor], axis: int) -> Tensor:  # pad the query axis (``axis`` from the end) to n
+        def cat(ts: list[Tensor], axis: int, value: int = 0) -> Tensor:  # pad the query axis (``axis``) to n
             padded = []
             for t in ts:
                 extra = n - int(t.shape[axis])
                 widths = [0, 0] * (-axis - 1) + [0, extra]
-                padded.append(torch.nn.functional.pad(t, widths) if extra else t)
+                padded.append(torch.nn.functional.pad(t, widths, value=value) if extra else t)
             return torch.cat(padded)
 
         def mask(p: _Pass) -> Tensor:
@@ -668,6 +852,14 @@ class _Pass:
 
         masks = [mask(p) for p in passes]
         key_mask = None if all(bool(m.all()) for m in masks) else torch.cat(masks)
+        keys = None
+        every = [p.keys for p in passes if p.keys is not None]  # a top_k collector's passes all have keys
+        if every:
+
+            def cat_keys(kind: int) -> dict[str, Tensor]:  # empty rows have no key (-1)
+                return {m: cat([k[kind][m] for k in every], -2, -1) for m in every[0][kind]}
+
+            keys = (cat_keys(0), cat_keys(1))
         return _Pass(
             intra={m: cat([p.intra[m] for p in passes], -2) for m in passes[0].intra},
             inter={m: cat([p.inter[m] for p in passes], -2) for m in passes[0].inter},
@@ -676,6 +868,8 @@ class _Pass:
             key_mask=None if key_mask is None else key_mask.to(passes[0].modified.device),
             query_index=rows,
             batch=sum(p.batch for p in passes),
+            n_positions=k,
+            keys=keys,
         )
 
 
@@ -706,6 +900,7 @@ def contribution_weights(
     queries: Queries = None,
     out_dtype: torch.dtype | None = None,
     memory_budget: float | None = None,
+    top_k: int | None = None,
 ) -> ContributionResult:
     """Contribution weights and baselines of every head of ``layers`` in one forward pass.
 
@@ -740,6 +935,10 @@ def contribution_weights(
             :mod:`mechgeom.analyses.budget` (50 % of the free memory where the result is kept). They are
             estimated before the pass (``batch * layers * heads * q * k`` per intra-head metric, plus the
             inter-head ones).
+        top_k: keep, per query row, head and metric, the ``top_k`` sources of largest ``|value|`` as values
+            and key positions (``result.intra_keys``, ``result.inter_keys``), for long contexts: the metrics
+            are computed a block of rows at a time and reduced, so the result holds ``top_k`` values per row
+            instead of ``k`` (``None``: every key). Combines with ``queries=``.
 
     Returns:
         A :class:`ContributionResult`.
@@ -752,7 +951,9 @@ def contribution_weights(
     """
     # Why this function is long: its signature and docstring document every argument (Args, Returns,
     # Raises); the body itself is 23 lines.
-    col = ContributionCollector(model, layers, intra=intra, inter=inter, queries=queries, out_dtype=out_dtype)
+    col = ContributionCollector(
+        model, layers, intra=intra, inter=inter, queries=queries, out_dtype=out_dtype, top_k=top_k
+    )
     if cache is not None:
         shape = _cache_shape(cache, col.layers[0])
         kept = None if shape is None else _kept_rows(queries, attention_mask, shape)
