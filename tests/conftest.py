@@ -179,6 +179,32 @@ def random_tokens(batch: int = 2, pos: int = 12, d_vocab: int = 50, seed: int = 
     return torch.randint(0, d_vocab, (batch, pos), generator=torch.Generator().manual_seed(seed))
 
 
+def seeded_texts(seed: int, lengths: list[int]) -> list[torch.Tensor]:
+    """Texts of token ids ``1..49`` with the given lengths, drawn from one seed."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(1, 50, (n,), generator=g) for n in lengths]
+
+
+def pad_rows(texts: list[torch.Tensor], side: str, pad: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[batch, pos]`` ids padded by hand with ``pad`` on ``side`` and the mask of real tokens (True = real)."""
+    width = max(len(t) for t in texts)
+    tokens = torch.full((len(texts), width), pad, dtype=torch.long)
+    mask = torch.zeros(len(texts), width, dtype=torch.bool)
+    for b, t in enumerate(texts):
+        cols = slice(0, len(t)) if side == "right" else slice(width - len(t), width)
+        tokens[b, cols], mask[b, cols] = t, True
+    return tokens, mask
+
+
+@pytest.fixture
+def one_blas_thread():
+    """A batch and a single text must meet at 1e-5: pin one BLAS thread (as CI runs) and restore it."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 def _require_wheel(module: str, install: str) -> None:
     if importlib.util.find_spec(module) is None:
         if os.environ.get("CI"):

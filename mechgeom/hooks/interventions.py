@@ -27,9 +27,9 @@ import numpy as np
 import torch
 from transformer_lens.hook_points import HookPoint
 
-from mechgeom.hooks.masks import masked_mean, query_mask, resolve_sinks, sink_mask
-from mechgeom.hooks.readers import FwdHook, hook_name
-from mechgeom.hooks.validation import resolve_heads, resolve_layers
+from mechgeom.hooks.masks import masked_mean, resolve_sinks, sink_mask
+from mechgeom.hooks.readers import FwdHook, current_pass_mask, hook_name
+from mechgeom.hooks.validation import resolve_heads, resolve_layers, text_positions
 from mechgeom.maths import rank_dtype, stable_ranks
 from mechgeom.typing import Bool, Float, Int, Pattern, SourceRanks, Tensor, Z
 
@@ -389,19 +389,23 @@ def set_sink_mass_hook(
     pattern: Pattern, hook: HookPoint, *, s: float, heads: list[int], sinks: list[int]
 ) -> Pattern:
     # pattern: [batch head q k]; for queries i in Q of the chosen heads: sink set -> total mass s
-    # (keeping the proportions inside the set), the other sources rescaled to total mass 1 - s.
-    pos = pattern.shape[-1]
+    # (keeping the proportions inside the set), the other real sources rescaled to total mass 1 - s.
+    # Positions are inside each text: the pass' mask (current_pass_mask) puts text b's sink set at its own
+    # padded positions; a pad is never a sink, a source or a query (its row and its weight 0 stay as they are).
+    batch, pos = pattern.shape[0], pattern.shape[-1]
     sinks = resolve_sinks(sinks, pos)
-    is_sink = sink_mask(sinks, pos, pattern.device)  # [k]
-    qmask = query_mask(sinks, pos, pattern.device)  # [q]
+    at = text_positions(current_pass_mask(pattern), batch, pos).to(pattern.device)  # [b k], -1 at a pad
+    is_sink = torch.isin(at, torch.tensor(sinks, device=pattern.device))[:, None, None, :]  # [b 1 1 k]
+    source = (at >= 0)[:, None, None, :] & ~is_sink  # real non-sink keys
+    qmask = (at > max(sinks))[:, None, :, None]  # [b 1 q 1]: Q inside each text, never a pad
     sub = pattern[:, heads]  # [batch head' q k]
     sink_mass = (sub * is_sink).sum(-1, keepdim=True)  # [batch head' q 1]
-    rest_mass = (sub * ~is_sink).sum(-1, keepdim=True)
-    ok = (sink_mass > 0) & (rest_mass > 0) & qmask[:, None]
+    rest_mass = (sub * source).sum(-1, keepdim=True)
+    ok = (sink_mass > 0) & (rest_mass > 0) & qmask
     scale = torch.where(
         is_sink,
         s / torch.where(sink_mass > 0, sink_mass, 1),
-        (1 - s) / torch.where(rest_mass > 0, rest_mass, 1),
+        torch.where(source, (1 - s) / torch.where(rest_mass > 0, rest_mass, 1), 1.0),
     )  # [batch head' q k]
     out = pattern.clone()
     out[:, heads] = torch.where(ok, sub * scale, sub)
@@ -421,6 +425,24 @@ def sink_mass_hooks(
     ``alpha'[i,j] = (1-s)·alpha[i,j]/sum_{∉S} alpha`` elsewhere. Then ``o'[i,h] = s vt_S[i] + (1-s) m[i]``,
     the convexity curve. Rows with a zero sink or non-sink mass and queries outside ``Q`` are left as
     they are. Only the chosen layers (default all) and heads (default all) change.
+
+    **Padding.** ``sink_positions`` and ``Q`` are positions inside each text (``0`` = its first real token),
+    placed per text from the mask of the pass: :func:`~mechgeom.hooks.run_hooks` ``(..., attention_mask=)``
+    gives it, or wrap your own ``run_with_hooks`` in :func:`~mechgeom.hooks.pass_mask`; without one every
+    position is real. A pad is never a sink, a source or a query: its row is untouched and its weight (0
+    under the model's mask) is not rescaled.
+
+    Args:
+        model: the model the hooks are for.
+        s: the sink mass, in ``[0, 1]``.
+        layers, heads: where to intervene (default: every layer, every head).
+        sink_positions: the sink set ``S`` (default ``[0]``).
+
+    Returns:
+        ``(hook_name, fn)`` pairs on ``blocks.{l}.attn.hook_pattern``.
+
+    Raises:
+        ValueError: ``s`` outside ``[0, 1]``; a bad sink set (:func:`~mechgeom.hooks.resolve_sinks`).
     """
     if not 0.0 <= float(s) <= 1.0:
         raise ValueError(f"sink mass s must lie in [0, 1], got {s}")

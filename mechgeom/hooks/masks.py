@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from mechgeom.hooks.validation import Queries, TokensOrText, select_queries, to_batch
+from mechgeom.hooks.validation import Queries, select_queries
 from mechgeom.typing import Bool, Int, Tensor
 
 __all__ = [
@@ -22,6 +22,7 @@ __all__ = [
     "align_texts",
     "batch_queries",
     "check_sink_positions",
+    "check_sinks_in_texts",
     "masked_mean",
     "query_mask",
     "resolve_sinks",
@@ -29,7 +30,6 @@ __all__ = [
     "sink_positions_per_text",
     "text_spans",
     "texts_first",
-    "unpadded_tokens",
 ]
 
 
@@ -79,6 +79,27 @@ def check_sink_positions(
             f"sink position(s) {bad} beyond the sequence (length {pos}, positions 0..{pos - 1})"
         )
     return out
+
+
+def check_sinks_in_texts(sinks: Sequence[int], lengths: Sequence[int], offset: int = 0) -> None:
+    """Every text holds the sink set: ``max(S) < length`` of each text (positions inside each text).
+
+    >>> check_sinks_in_texts([0, 2], [5, 3])
+    >>> check_sinks_in_texts([0, 2], [5, 2])
+    Traceback (most recent call last):
+    ...
+    mechgeom.hooks.masks.SinkPositionError: text 1 has 2 real token(s), so sink position(s) [0, 2] (positions inside each text, 0..1) lie beyond it: give sinks inside the shortest text or leave it out
+
+    Raises:
+        SinkPositionError: a text too short for ``S``, naming it (``offset`` + its index), its valid
+            positions and the way out.
+    """
+    for b, n in enumerate(int(n) for n in lengths):
+        if n <= max(sinks):
+            raise SinkPositionError(
+                f"text {offset + b} has {n} real token(s), so sink position(s) {list(sinks)} (positions inside "
+                f"each text, 0..{n - 1}) lie beyond it: give sinks inside the shortest text or leave it out"
+            )
 
 
 def resolve_sinks(sink_positions: int | Sequence[int] | None, pos: int | None = None) -> list[int]:
@@ -293,29 +314,6 @@ def align_texts(acts: Any, queries: Queries = None, offset: int = 0) -> AlignedT
         key_mask=real.to(dev),
     )
     return AlignedTexts(moved, lengths, real, keep)
-
-
-def unpadded_tokens(
-    model: Any, tokens_or_text: TokensOrText, *, what: str, attention_mask: Any = None
-) -> Tensor:
-    """The ids of an analysis that intervenes at fixed positions of every text (a sink's mass or value), which
-    padding would move: :func:`mechgeom.hooks.to_batch`, refusing a batch with padding.
-
-    Returns:
-        ``[batch, pos]`` token ids, every position real.
-
-    Raises:
-        ValueError: texts of different lengths (or an ``attention_mask`` with 0s), naming the ways out.
-    """
-    tokens, mask = to_batch(model, tokens_or_text, attention_mask=attention_mask, what=what)
-    if mask is not None:
-        lengths = mask.sum(-1).tolist()
-        raise ValueError(
-            f"{what} intervenes at the same positions of every text and does not take padding yet; the texts "
-            f"have {lengths} real tokens: run texts of one length (e.g. equal-length windows of a corpus) or "
-            "one text at a time"
-        )
-    return tokens
 
 
 def texts_first(tokens: Tensor | None, starts: Sequence[Tensor]) -> Tensor | None:

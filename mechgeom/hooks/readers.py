@@ -36,6 +36,7 @@ __all__ = [
     "FwdHook",
     "LayerActivations",
     "LayerCollector",
+    "current_pass_mask",
     "expand_kv",
     "foreign_hooks_after",
     "future_weight",
@@ -299,6 +300,24 @@ def pass_mask(mask: Bool[Tensor, "batch pos"] | None) -> Iterator[None]:
         _PASS_MASK.reset(token)
 
 
+def current_pass_mask(pattern: Pattern) -> Bool[Tensor, "batch key_pos"] | None:
+    """The real tokens of the pass running now, as :func:`pass_mask` (or :func:`run_hooks`) gave them, on the
+    pattern's device; ``None`` when the pass came with no mask. What a hook reads to know the pass' padding.
+
+    Raises:
+        ValueError: a mask of another shape than ``[batch, key_pos]`` of ``pattern`` (a mask of other tokens).
+    """
+    mask = _PASS_MASK.get()
+    if mask is None:
+        return None
+    if tuple(mask.shape) != (pattern.shape[0], pattern.shape[-1]):
+        raise ValueError(
+            f"the pass' attention mask is {tuple(mask.shape)}, but the pattern is [batch={pattern.shape[0]}, "
+            f"key_pos={pattern.shape[-1]}]: give the mask of the tokens of this pass"
+        )
+    return mask.to(pattern.device)
+
+
 def real_positions(pattern: Pattern, causal: bool) -> Bool[Tensor, "batch key_pos"] | None:
     """The real (non-padding) positions of a pass that came with no mask (:func:`pass_mask`).
 
@@ -391,15 +410,9 @@ class LayerCollector:
 
     def _key_mask(self, pattern: Pattern) -> Tensor | None:
         """The pass' real tokens: the mask given for it (:func:`pass_mask`), else read off the pattern."""
-        mask = _PASS_MASK.get()
+        mask = current_pass_mask(pattern)
         if mask is None:
             return real_positions(pattern, self.causal)
-        if tuple(mask.shape) != (pattern.shape[0], pattern.shape[-1]):
-            raise ValueError(
-                f"the pass' attention mask is {tuple(mask.shape)}, but the pattern is [batch={pattern.shape[0]}, "
-                f"key_pos={pattern.shape[-1]}]: give the mask of the tokens of this pass"
-            )
-        mask = mask.to(pattern.device)
         return None if bool(mask.all()) else mask
 
     def _warn_if_read_before_a_change(self, hook: HookPoint, layer: int, kind: str) -> None:

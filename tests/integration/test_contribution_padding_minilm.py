@@ -10,6 +10,7 @@ from __future__ import annotations
 import pandas as pd
 import pytest
 import torch
+from conftest import pad_rows
 
 from mechgeom.analyses.contribution.weights import contribution_weights
 from mechgeom.hooks import to_tokens
@@ -22,14 +23,7 @@ LAYERS = [0, 5]
 
 def _batch(model, side: str) -> tuple[torch.Tensor, torch.Tensor]:
     rows = [to_tokens(model, t, encoders=True)[0].cpu() for t in TEXTS]
-    n = max(len(r) for r in rows)
-    pad = int(model.tokenizer.pad_token_id)
-    toks = torch.full((len(rows), n), pad, dtype=torch.long)
-    mask = torch.zeros(len(rows), n, dtype=torch.bool)
-    for b, r in enumerate(rows):
-        sl = slice(0, len(r)) if side == "right" else slice(n - len(r), n)
-        toks[b, sl], mask[b, sl] = r, True
-    return toks, mask
+    return pad_rows(rows, side, int(model.tokenizer.pad_token_id))
 
 
 def _check_alone(res, rows, b: int, a) -> None:

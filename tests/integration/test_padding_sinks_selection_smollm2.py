@@ -13,7 +13,7 @@ import torch
 
 from mechgeom.analyses.heads import classify_heads
 from mechgeom.analyses.selection import token_selection
-from mechgeom.analyses.sinks import sink_statistics
+from mechgeom.analyses.sinks import convexity_check, sink_statistics
 
 pytestmark = pytest.mark.integration
 
@@ -92,3 +92,25 @@ def test_sink_statistics_of_padded_texts_are_the_texts_alone(smollm2, side):
         n = _n(smollm2, text)
         alone = sink_statistics(smollm2, text, layers=LAYERS)
         _close(last.sink_mass[b, ..., n - 1], alone.sink_mass[0, ..., n - 1])
+
+
+def test_convexity_check_of_padded_texts_is_the_texts_alone(smollm2, side):
+    """The sink-mass intervention of a padded pair (4 and 14 tokens) puts the sink on each text's first real
+    token: every measured and closed-form norm is the text run alone's, and no pad is a row."""
+    kw = dict(heads=[(3, 0), (3, 5)], s_values=[0.0, 0.5, 1.0])
+    check = convexity_check(smollm2, [SHORT, LONG], **kw)
+    frame = check.to_frame()
+    assert len(frame) == 2 * 3 * ((4 - 1) + (14 - 1))  # real queries after the sink only
+    for b, text in enumerate([SHORT, LONG]):
+        n = _n(smollm2, text)
+        alone = convexity_check(smollm2, text, **kw)
+        for key, norm in alone.norms.items():
+            _close(check.norms[key][:, b, :n], norm[:, 0])
+            assert bool(check.norms[key][:, b, n:].isnan().all())
+        mine, ref = frame[frame.text == b].reset_index(drop=True), alone.to_frame()
+        assert mine["query"].tolist() == ref["query"].tolist()
+        _close(
+            torch.tensor(mine["norm_closed_form"].to_numpy()),
+            torch.tensor(ref["norm_closed_form"].to_numpy()),
+        )
+    assert check.summary()["max_rel_error"] < 1e-4

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import make_tiny
+from conftest import make_tiny, pad_rows, seeded_texts
 
 from mechgeom.analyses.contribution import LayerGeometry
 from mechgeom.analyses.heads import classify_heads, head_stats
@@ -24,28 +24,15 @@ RTOL, ATOL = 1e-5, 1e-6
 
 
 @pytest.fixture(autouse=True)
-def one_thread():
-    """A batch and a single text must meet at 1e-5: pin one BLAS thread (as CI runs) and restore it."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+def one_thread(one_blas_thread):
+    """A batch and a single text must meet at 1e-5 (:func:`conftest.one_blas_thread`)."""
 
 
 def _texts(seed: int, lengths: list[int] = LENGTHS) -> list[torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(1, 50, (n,), generator=g) for n in lengths]
+    return seeded_texts(seed, lengths)
 
 
-def _padded(texts: list[torch.Tensor], side: str, pad: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """``[batch, pos]`` ids padded with ``pad`` on ``side`` and the mask of real tokens (True = real)."""
-    width = max(len(t) for t in texts)
-    tokens = torch.full((len(texts), width), pad, dtype=torch.long)
-    mask = torch.zeros(len(texts), width, dtype=torch.bool)
-    for b, t in enumerate(texts):
-        cols = slice(0, len(t)) if side == "right" else slice(width - len(t), width)
-        tokens[b, cols], mask[b, cols] = t, True
-    return tokens, mask
+_padded = pad_rows
 
 
 def _close(a: torch.Tensor, b: torch.Tensor) -> None:
@@ -341,18 +328,6 @@ def test_sink_query_frame_takes_negative_query_indices_inside_each_text() -> Non
         assert got == pytest.approx(float(res.sink_mass[b, 0, 0, n - 1]))
     with pytest.raises(IndexError, match="outside text 1"):
         res.query_frame(queries=[-6])
-
-
-def test_the_mass_intervention_refuses_padding_with_the_ways_out() -> None:
-    """The mass intervention acts at the same positions of every text: padding would move them, so a padded
-    batch is refused (it was silently analysed with its pads before) until it takes it. The value ablation
-    (sink_ablation) takes padding: tests/unit/test_padding_curves_unit.py."""
-    from mechgeom.analyses.sinks import convexity_by_intervention
-
-    model = make_tiny(n_kv=2, seed=25)
-    tokens, mask = _padded(_texts(26), "left")
-    with pytest.raises(ValueError, match="does not take padding yet"):
-        convexity_by_intervention(model, tokens, s_values=[0.5], layer=0, attention_mask=mask)
 
 
 @pytest.mark.parametrize("side", ["left", "right"])

@@ -16,7 +16,7 @@ alpha[h,i,s]`` (``vt[0,h]`` for the default sink) and ``m[i,h]`` the non-sink me
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import einops
@@ -33,8 +33,11 @@ from mechgeom.hooks import (
     LayerCollector,
     Queries,
     TokensOrText,
+    align_texts,
     check_index,
     check_indices,
+    check_sinks_in_texts,
+    head_outputs,
     query_mask,
     resolve_layers,
     resolve_sinks,
@@ -42,7 +45,9 @@ from mechgeom.hooks import (
     select_queries,
     sink_mask,
     sink_mass_hooks,
-    unpadded_tokens,
+    text_spans,
+    texts_first,
+    to_batch,
 )
 from mechgeom.maths import wo_gram
 from mechgeom.typing import Bool, Float, Tensor, Tokens
@@ -194,25 +199,46 @@ def convexity_by_intervention(
 ) -> Float[Tensor, "grid batch head q"]:
     """The convexity curve measured by intervention: for each ``s``, one pass with
     :func:`sink_mass_hooks` on ``layer`` and ``‖z'[i,h] @ W_O[h]‖`` read from the same layer's
-    ``hook_z`` (float64 norm of the float32 output). Heads outside ``heads`` keep their clean output;
-    queries outside ``Q`` are NaN. Compare with :meth:`SinkResult.norm_curve`. Texts of one length: a padded
-    batch (or an ``attention_mask`` with 0s) is refused, since the intervention acts at the same positions of
-    every text (:func:`mechgeom.hooks.unpadded_tokens`)."""
-    tokens = unpadded_tokens(
-        model, tokens_or_text, what="convexity_by_intervention", attention_mask=attention_mask
+    ``hook_z`` (float64 norm of the float32 output). Heads outside ``heads`` keep their clean output.
+    Compare with :meth:`SinkResult.norm_curve` of the same texts.
+
+    **Padding** (``attention_mask``, or a list of texts padded on the model's padding side, left or right):
+    ``sink_positions`` are positions inside each text (``0`` = its first real token) and the intervention
+    acts at each text's own padded positions; a pad is never a sink, a source or a query. The query axis is
+    laid out as the sink statistics lay it out: positions inside each text (each text first, NaN after its
+    length), so a padded text's curve equals the text run alone.
+
+    Args:
+        model: a decoder.
+        tokens_or_text: text, texts or token ids (:func:`mechgeom.hooks.to_batch`).
+        s_values: the sink masses, each in ``[0, 1]``.
+        layer: the layer intervened on and read.
+        heads: the heads intervened on (default: all).
+        sink_positions: the sink set ``S`` (default ``[0]``), inside every text.
+        attention_mask: ``[batch, pos]``, 1 at real tokens (default: the padding of a list of texts).
+
+    Returns:
+        ``[grid, batch, head, q]`` norms (float64, CPU), NaN outside ``Q`` and beyond each text.
+
+    Raises:
+        SinkPositionError: a sink position beyond the shortest text.
+    """
+    tokens, mask = to_batch(
+        model, tokens_or_text, attention_mask=attention_mask, what="convexity_by_intervention"
     )
     layer = resolve_layers(model, layer)[0]
     sinks = resolve_sinks(sink_positions, tokens.shape[1])
+    check_sinks_in_texts(sinks, text_spans(mask, *tokens.shape)[1].tolist())
     out = []
     for s in s_values:
         col = LayerCollector(model, layer)
         hooks = sink_mass_hooks(model, s, layers=layer, heads=heads, sink_positions=sinks)
-        run_hooks(model, tokens, [*hooks, *col.fwd_hooks], stop_at_layer=layer + 1)
-        acts = col.captured[layer]
-        o = LayerGeometry.from_activations(acts).head_out.double()  # [b q h m]
+        run_hooks(model, tokens, [*hooks, *col.fwd_hooks], stop_at_layer=layer + 1, attention_mask=mask)
+        aligned = align_texts(col.captured[layer])  # each text at the start of its row
+        o = head_outputs(aligned.acts.z, aligned.acts.W_O).double()  # [b q h m]
         norm = einops.rearrange(o.norm(dim=-1), "b q h -> b h q")
-        qmask = query_mask(sinks, tokens.shape[1], norm.device)
-        out.append(torch.where(qmask, norm, torch.nan).cpu())
+        keep = query_mask(sinks, tokens.shape[1], norm.device) & aligned.real.to(norm.device)  # [b q]
+        out.append(torch.where(keep[:, None, :], norm, torch.nan).cpu())
     return torch.stack(out)
 
 
@@ -338,7 +364,11 @@ class ConvexityTerms:
 @dataclass
 class ConvexityCurves(ConvexityTerms, Result):
     """The convexity terms of :class:`ConvexityTerms` for ``layers`` over ``n`` texts, without the rest of
-    the sink statistics (what :func:`convexity_check` computes when it is not given them)."""
+    the sink statistics (what :func:`convexity_check` computes when it is not given them).
+
+    With padding, laid out as :class:`~mechgeom.analyses.sinks.SinkResult`: the query axis and ``tokens`` are
+    positions inside each text (each text first, NaN after it) and ``extras["lengths"]`` holds each text's
+    real tokens."""
 
     layers: list[int]
     sink_positions: list[int]
@@ -348,6 +378,7 @@ class ConvexityCurves(ConvexityTerms, Result):
     sq_mean: Float[Tensor, "n layer head q"]
     modified: Bool[Tensor, "n layer head q"] | None = None
     tokens: Tokens | None = None
+    extras: dict[str, Any] = field(default_factory=dict)
 
     def to_frame(self) -> pd.DataFrame:
         """One row per (text, layer, head, query in ``Q``): :meth:`ConvexityTerms.query_frame`."""
@@ -365,21 +396,36 @@ class ConvexityCurves(ConvexityTerms, Result):
 
 class _ConvexityCollector(Collector):
     """The tensors of :class:`ConvexityCurves` by reader hooks, batch after batch (as
-    :class:`~mechgeom.analyses.sinks.geometry.SinkCollector` computes them beside the other sink statistics)."""
+    :class:`~mechgeom.analyses.sinks.geometry.SinkCollector` computes them beside the other sink statistics).
+    A padded batch is read with each text moved to the start of its row (:func:`mechgeom.hooks.align_texts`),
+    so the query axis holds positions inside each text, NaN beyond it."""
 
     def __init__(self, model: Any, layers: list[int], sinks: list[int]) -> None:
         super().__init__(model, layers)
         self.sinks = sinks
         self._per_text: dict[int, list[dict[str, Tensor]]] = {layer: [] for layer in self.layers}
         self._grams: dict[int, Tensor] = {}
+        self._starts: list[Tensor] = []  # each batch's first real positions (left padding), first layer
+        self._lengths: list[Tensor] = []
 
     def on_layer(self, acts: LayerActivations) -> None:
         with torch.no_grad():
-            geo = LayerGeometry.from_activations(acts)
+            aligned = align_texts(acts)
+            if acts.layer == self.layers[0]:
+                check_sinks_in_texts(self.sinks, aligned.lengths.tolist(), sum(len(t) for t in self._lengths))
+                self._starts.append(text_spans(acts.key_mask, *aligned.real.shape)[0])
+                self._lengths.append(aligned.lengths)
+            geo = LayerGeometry.from_activations(aligned.acts)
             if acts.layer not in self._grams:
                 self._grams[acts.layer] = wo_gram(geo.W_O, dtype=torch.float64)
             terms = query_terms(geo, self.sinks, gram=self._grams[acts.layer])
-            self._per_text[acts.layer].append({k: v.detach().cpu() for k, v in terms.items()})
+            real = aligned.real[:, None, :]  # [b 1 q]: a pad is no query
+            self._per_text[acts.layer].append(
+                {
+                    k: torch.where(real, v.detach().cpu(), False if v.dtype == torch.bool else torch.nan)
+                    for k, v in terms.items()
+                }
+            )
 
     def build(self, tokens: Tokens | None) -> ConvexityCurves:
         per_text = self._per_text
@@ -388,15 +434,26 @@ class _ConvexityCollector(Collector):
             for k in per_text[self.layers[0]][0]
         }
         return ConvexityCurves(
-            layers=list(self.layers), sink_positions=list(self.sinks), tokens=tokens, **stacked
+            layers=list(self.layers),
+            sink_positions=list(self.sinks),
+            tokens=texts_first(tokens, self._starts),
+            extras={"lengths": torch.cat(self._lengths).tolist()},
+            **stacked,
         )
 
 
 def _curves(
-    model: Any, tokens: Tokens, layers: list[int], sinks: list[int], batch_size: int = 8
+    model: Any,
+    tokens: Tokens,
+    layers: list[int],
+    sinks: list[int],
+    batch_size: int = 8,
+    attention_mask: Tensor | None = None,
 ) -> ConvexityCurves:
-    """:class:`ConvexityCurves` of ``layers``, in batches of ``batch_size`` texts."""
-    return collect(model, tokens, _ConvexityCollector(model, layers, sinks), batch_size=batch_size)  # type: ignore[no-any-return]
+    """:class:`ConvexityCurves` of ``layers``, in batches of ``batch_size`` texts (``attention_mask``: the
+    real tokens, ``None`` for all)."""
+    collector = _ConvexityCollector(model, layers, sinks)
+    return collect(model, tokens, collector, batch_size=batch_size, attention_mask=attention_mask)  # type: ignore[no-any-return]
 
 
 # =========================================================================== closed form vs intervention
@@ -410,7 +467,8 @@ class ConvexityCheck(Result):
     """The convexity curve of a few heads, measured by intervention beside the closed form.
 
     ``norms[(layer, head)]`` is the measured ``‖o(s)‖`` of that head, ``[grid, n, q]`` (NaN outside ``Q``);
-    the closed form is ``stats.norm_curve(s_values)`` of the same texts.
+    the closed form is ``stats.norm_curve(s_values)`` of the same texts. With padding the query axis holds
+    positions inside each text (as in the statistics), NaN beyond each text.
     """
 
     heads: list[tuple[int, int]]
@@ -426,7 +484,8 @@ class ConvexityCheck(Result):
 
     def to_frame(self) -> pd.DataFrame:
         """One row per (head, ``s``, text, query) where the measured norm is finite, in that order:
-        ``layer, head, s, text, query, norm_measured, norm_closed_form``."""
+        ``layer, head, s, text, query, norm_measured, norm_closed_form``; ``query`` is the position inside
+        the text, and only real queries in ``Q`` have rows (a pad has none)."""
         closed = self.stats.norm_curve(torch.tensor(self.s_values, dtype=torch.float64))  # [n l h q grid]
         s_arr = np.asarray(self.s_values)
         frames = []
@@ -494,11 +553,32 @@ def convexity_check(
 
     ``stats`` are the sink statistics of the same texts (a :class:`mechgeom.analyses.sinks.SinkResult`
     or any :class:`ConvexityTerms`); without them the :class:`ConvexityCurves` of the layers of ``heads``
-    are computed. ``sink_positions`` default to those of ``stats`` and must agree with them. Texts of one
-    length: a padded batch (or an ``attention_mask`` with 0s) is refused, as by
-    :func:`convexity_by_intervention`.
+    are computed. ``sink_positions`` default to those of ``stats`` and must agree with them.
+
+    **Padding** (``attention_mask``, or a list of texts padded on the model's padding side): as in
+    :func:`convexity_by_intervention`, the sink set and the queries are positions inside each text, so each
+    text gets what it gets run alone; ``stats`` must be those of the same padded batch.
+
+    Args:
+        model: a decoder.
+        tokens_or_text: text, texts or token ids (:func:`mechgeom.hooks.to_batch`).
+        heads: ``(layer, head)`` pairs.
+        s_values: the sink masses, each in ``[0, 1]``.
+        stats: the statistics of the same texts (default: computed).
+        sink_positions: the sink set ``S`` (default: that of ``stats``, else ``[0]``).
+        verbose: a progress bar over heads.
+        attention_mask: ``[batch, pos]``, 1 at real tokens (default: the padding of a list of texts).
+
+    Returns:
+        A :class:`ConvexityCheck`.
+
+    Raises:
+        ValueError: no heads, duplicate heads, ``stats`` of other texts or another sink set.
+        IndexError: a layer or head out of range, or not in ``stats``.
     """
-    tokens = unpadded_tokens(model, tokens_or_text, what="convexity_check", attention_mask=attention_mask)
+    # Why this function is long: its signature and docstring document every argument (Args, Returns,
+    # Raises); the body (checks of the heads and of the given statistics, then one loop) is 48 lines.
+    tokens, mask = to_batch(model, tokens_or_text, attention_mask=attention_mask, what="convexity_check")
     pairs = [(int(layer), int(head)) for layer, head in heads]
     if not pairs:
         raise ValueError("heads is empty; give (layer, head) pairs")
@@ -509,7 +589,9 @@ def convexity_check(
     for _, head in pairs:
         check_index(head, int(model.cfg.n_heads), "head")
     if stats is None:
-        stats = _curves(model, tokens, layers, resolve_sinks(sink_positions, tokens.shape[1]))
+        stats = _curves(
+            model, tokens, layers, resolve_sinks(sink_positions, tokens.shape[1]), attention_mask=mask
+        )
     else:
         for layer in layers:
             stats.layer_index(layer)
@@ -518,15 +600,29 @@ def convexity_check(
                 f"sink_positions {sink_positions} differ from the statistics' {stats.sink_positions}"
             )
         n_texts, seq_len = stats.sink_mass.shape[0], stats.sink_mass.shape[-1]
-        if (n_texts, seq_len) != tuple(tokens.shape) or (
-            stats.tokens is not None and not torch.equal(stats.tokens, tokens.cpu())
+        starts, lengths = text_spans(mask, *tokens.shape)
+        first = texts_first(tokens.cpu(), [starts])  # the statistics' tokens: each text first
+        their_lengths = getattr(stats, "extras", {}).get("lengths")
+        if (
+            (n_texts, seq_len) != tuple(tokens.shape)
+            or (stats.tokens is not None and first is not None and not torch.equal(stats.tokens, first))
+            or (their_lengths is not None and list(their_lengths) != lengths.tolist())
         ):
-            raise ValueError("`stats` come from other tokens")
+            raise ValueError(
+                "`stats` come from other tokens or another attention_mask: compute them from the same batch "
+                "and mask (e.g. sink_statistics(model, tokens, attention_mask=mask)) or leave stats out"
+            )
     s_list = [float(s) for s in s_values]
     norms = {}
     for layer, head in progress(pairs, desc="convexity", enabled=verbose):
         meas = convexity_by_intervention(
-            model, tokens, s_values=s_list, layer=layer, heads=[head], sink_positions=stats.sink_positions
-        )  # [grid batch head q]
+            model,
+            tokens,
+            s_values=s_list,
+            layer=layer,
+            heads=[head],
+            sink_positions=stats.sink_positions,
+            attention_mask=mask,
+        )  # [grid batch head q], positions inside each text
         norms[(layer, head)] = meas[:, :, head]
     return ConvexityCheck(heads=pairs, s_values=s_list, norms=norms, stats=stats)

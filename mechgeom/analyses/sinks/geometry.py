@@ -22,8 +22,8 @@ from mechgeom.analyses.sinks.convexity import ConvexityTerms, query_terms, sink_
 from mechgeom.hooks import (
     LayerActivations,
     Queries,
-    SinkPositionError,
     batch_queries,
+    check_sinks_in_texts,
     masked_mean,
     modified_pairs,
     n_kv_heads,
@@ -481,11 +481,7 @@ class SinkCollector(Collector):
                 return
             for b in range(batch):  # each text on its real tokens: its numbers are those of the text alone
                 s, n = int(starts[b]), int(lengths[b])
-                if n <= max(self.sinks):
-                    raise SinkPositionError(
-                        f"text {offset + b} has {n} real token(s), so sink position(s) {self.sinks} (positions "
-                        f"inside each text, 0..{n - 1}) lie beyond it: give sinks inside the shortest text"
-                    )
+                check_sinks_in_texts(self.sinks, [n], offset + b)
                 geo = LayerGeometry(
                     acts.pattern[b : b + 1, :, s : s + n, s : s + n],
                     acts.v[b : b + 1, s : s + n],
