@@ -196,7 +196,7 @@ def build(family: str, seed: int = 0) -> Any:
 
 def _redraw(model: torch.nn.Module, seed: int) -> None:
     """Every parameter drawn anew from ``seed``: biases ``N(0, 0.3^2)``, norm weights (the other vectors)
-    ``1 + N(0, 0.1^2)``, matrices ``N(0, 1/fan_in)`` (query and key weights four times that scale, for
+    ``1 + N(0, 0.1^2)``, matrices ``N(0, 1/fan_in)`` (query and key weights twice that scale, for
     peaky patterns)."""
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -210,7 +210,7 @@ def _redraw(model: torch.nn.Module, seed: int) -> None:
             else:
                 fan_in = p.shape[-2] if leaf.lstrip("_").startswith("W_") else p.shape[-1]
                 peaky = any(k in name for k in ("W_Q", "W_K", "q_proj", "k_proj", "c_attn", "query_key"))
-                p.copy_(noise * (4.0 if peaky else 1.0) / fan_in**0.5)
+                p.copy_(noise * (2.0 if peaky else 1.0) / fan_in**0.5)
 
 
 def _build_hooked(fam: Family, seed: int) -> Any:
