@@ -230,7 +230,7 @@ def _build_hooked(fam: Family, seed: int) -> Any:
         default_prepend_bos=True,
         **fam.hooked,
     )
-    model = HookedTransformer(cfg, move_to_device=False)
+    model = HookedTransformer(cfg, tokenizer=_tokenizer(), move_to_device=False)
     _redraw(model, seed)
     keep = {"all": None, "qkv": ("b_Q", "b_K", "b_V", "_b_K", "_b_V"), "none": ()}[fam.biases]
     if keep is not None:  # TransformerLens has every bias; those the family lacks stay 0

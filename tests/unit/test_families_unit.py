@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 import torch
-from families import FAMILIES, N_HEADS, N_LAYERS, WINDOW, FamilyUnavailable, build, tokens
+from families import BOS, FAMILIES, N_HEADS, N_LAYERS, WINDOW, FamilyUnavailable, build, tokens
 from reference_contribution import acts_of, assert_all_metrics_match, brute_force
 from refs import (
     brute_rollout,
@@ -74,6 +74,34 @@ def cache_of(family: str) -> Any:
 fams = pytest.mark.parametrize("family", list(FAMILIES))
 #: The families with sliding-window layers.
 local_fams = pytest.mark.parametrize("family", [f for f in FAMILIES if FAMILIES[f].local_layers])
+
+
+# --------------------------------------------------------------------------- the families themselves
+
+
+@fams
+def test_the_family_features_are_in_the_model(family: str) -> None:
+    """The matrix cannot silently lose what makes each family: its query/key biases are nonzero exactly
+    where it has them, its KV heads, soft caps, and (on text) the BOS Gemma needs."""
+    model, fam = family_model(family), FAMILIES[family]
+    cfg = model.cfg
+    assert (cfg.n_key_value_heads or cfg.n_heads) == fam.n_kv
+    for layer in range(N_LAYERS):
+        attn = model.blocks[layer].attn
+        for name in ("b_Q", "b_K"):  # b_V may be folded into b_O (the value-bias convention; not here)
+            bias = getattr(attn, name, None)
+            has = isinstance(bias, torch.Tensor) and float(bias.detach().abs().max()) > 0.05
+            assert has == (fam.biases != "none"), (layer, name)
+    caps = (float(cfg.attn_scores_soft_cap), float(cfg.output_logits_soft_cap))
+    assert caps == ((5.0, 3.0) if family == "gemma2" else (-1.0, -1.0))
+    res = contribution_weights(model, "t5 t6 t7 t8")
+    if family.startswith("gemma"):
+        assert res.tokens[0, 0].item() == BOS  # Gemma reads nothing sensible without its BOS
+    ids = res.tokens[0, -4:].tolist()
+    assert ids == [5, 6, 7, 8]
+    by_ids = contribution_weights(model, res.tokens)
+    for name in INTRA_METRICS:
+        torch.testing.assert_close(res.intra[name], by_ids.intra[name], equal_nan=True)
 
 
 # --------------------------------------------------------------------------- contribution weights
