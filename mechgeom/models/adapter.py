@@ -11,6 +11,7 @@ for the offline models). They share hook names, but not everything an analysis r
 - **resuming at a layer**: only a ``HookedTransformer`` (without shortformer positions) runs from
   ``blocks.{l}.hook_resid_pre`` with ``start_at_layer=l`` and skips the earlier blocks; a bridge has no
   ``start_at_layer`` (3.x) or still runs the earlier blocks (4.x);
+- **the attention's output**: Gemma-2 and -3 normalise it (``ln1_post``) before ``hook_attn_out`` reads it;
 - **unembedding**: ``W_U``, ``b_U``, the final norm and the logit soft cap; a ``HookedTransformer``'s
   ``stop_at_layer=n_layers`` gives the residual stream before the final norm, so chosen positions can be
   unembedded alone (a bridge's gives the logits);
@@ -269,6 +270,19 @@ class ModelAdapter:
         norm = self.final_norm
         x = norm(resid) if norm is not None else resid
         return apply_softcap(self.model.unembed(x), self.model.cfg.output_logits_soft_cap)
+
+    # ------------------------------------------------------------------ the attention's output
+
+    def attn_out_norm(self, layer: int) -> torch.nn.Module | None:
+        """The norm between the attention's output projection and ``blocks.{layer}.hook_attn_out``: Gemma-2 and
+        Gemma-3's post-attention RMSNorm (``blocks.{layer}.ln1_post``, on a ``HookedTransformer`` and a bridge
+        alike), ``None`` where ``hook_attn_out`` reads ``sum_h z W_O + b_O`` itself.
+
+        The contribution weights are of the output before that norm (``docs/definitions.md``); only what
+        ``hook_attn_out`` reads passes through it.
+        """
+        norm = getattr(self.model.blocks[layer], "ln1_post", None)
+        return norm if isinstance(norm, torch.nn.Module) else None
 
     # ------------------------------------------------------------------ interventions
 

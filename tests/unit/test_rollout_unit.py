@@ -9,33 +9,12 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import make_tiny, random_tokens
+from refs import brute_rollout, patterns_of
 
 import mechgeom
 from mechgeom import attention_rollout
 from mechgeom.analyses.attribution import RolloutCollector, rollout_step
 from mechgeom.hooks import has_hooks
-
-
-def brute_rollout(patterns: list[torch.Tensor], layer: int, b: int) -> torch.Tensor:
-    """``R_{layer-1}`` of text ``b`` from the patterns ``[batch, head, q, k]`` of every layer, in float64."""
-    q = patterns[0].shape[-1]
-    r = torch.eye(q, dtype=torch.float64)
-    for la in range(layer):
-        p = patterns[la][b].double()
-        a = torch.zeros(q, q, dtype=torch.float64)
-        for i in range(q):
-            for j in range(q):
-                a[i, j] = 0.5 * p[:, i, j].mean() + (0.5 if i == j else 0.0)
-            a[i] = a[i] / a[i].sum()
-        r = a @ r
-    return r
-
-
-def patterns_of(model, tokens, extra=()) -> list[torch.Tensor]:
-    names = [f"blocks.{la}.attn.hook_pattern" for la in range(model.cfg.n_layers)]
-    with model.hooks(fwd_hooks=list(extra)):
-        _, cache = model.run_with_cache(tokens, names_filter=lambda n: n in names)
-    return [cache[n].detach() for n in names]
 
 
 @pytest.mark.parametrize("n_kv", [None, 2])

@@ -10,6 +10,7 @@ import pytest
 import torch
 from conftest import make_tiny, random_tokens
 from hypothesis import given, settings, strategies as st
+from refs import brute_distances, brute_f, brute_mq, brute_top, check_selection
 
 from mechgeom.analyses.selection import BoundParams, bound_radii, precision_recall_curve
 from mechgeom.analyses.selection.collector import (
@@ -42,41 +43,6 @@ def causal_pattern(
     logits[..., 0] += sink_boost
     mask = torch.ones(k, k, dtype=torch.bool).tril()
     return torch.softmax(logits.masked_fill(~mask, float("-inf")), dim=-1)
-
-
-def brute_top(a: list[float], cands: list[int], n: int) -> list[int]:
-    return sorted(cands, key=lambda j: (-a[j], j))[:n]
-
-
-def brute_f(d: dict[int, float], members: set[int]) -> float:
-    """max over every radius (and the empty ball) of 2PR/(P+R), by explicit loops."""
-    n = len(members)
-    best = 0.0
-    for r in [-1.0, *d.values()]:
-        ball = [j for j in d if d[j] <= r]
-        tp = sum(1 for j in ball if j in members)
-        if tp == 0:
-            continue
-        p, rec = tp / len(ball), tp / n
-        best = max(best, 2 * p * rec / (p + rec))
-    return best
-
-
-def brute_mq(d: dict[int, float], members: set[int]) -> tuple[int, int]:
-    max_in = max(d[j] for j in members)
-    outs = [d[k] for k in d if k not in members]
-    min_out = min(outs) if outs else math.inf
-    m = sum(1 for k in d if k not in members and d[k] <= max_in)
-    q = sum(1 for j in members if d[j] < min_out)
-    return m, q
-
-
-def brute_distances(
-    a: torch.Tensor, vals: torch.Tensor, members: list[int], cands: list[int]
-) -> dict[int, float]:
-    """d_j = ‖a_j v_j − sum_{I} a_l v_l‖ with materialised vectors."""
-    s = sum(a[j] * vals[j] for j in members)
-    return {j: float((a[j] * vals[j] - s).norm()) for j in cands}
 
 
 # --------------------------------------------------------------------------- F-score and certificate
@@ -185,33 +151,7 @@ def test_layer_selection_matches_bruteforce(sinks: tuple[int, ...]) -> None:
     v = torch.randn(b, k, h, dh, generator=torch.Generator().manual_seed(4), dtype=F64)
     out = layer_selection(pat, v, ns=ns, sink_positions=sinks, n_random=0, dtype=F64)["per_query"]
     assert set(out) == set(PER_QUERY)
-    for bi in range(b):
-        for hi in range(h):
-            a = pat[bi, hi]
-            for i in range(k):
-                for t, n in enumerate(ns):
-                    for name, cands in (
-                        ("f_top", list(range(i + 1))),
-                        ("f_nosink", [j for j in range(i + 1) if j not in sinks]),
-                    ):
-                        got = out[name][bi, hi, i, t].item()
-                        if len(cands) < n:  # documented: too few sources -> NaN
-                            assert math.isnan(got)
-                            continue
-                        top = brute_top(a[i].tolist(), cands, n)
-                        dd = brute_distances(a[i], v[bi, :, hi], top, cands)
-                        assert got == pytest.approx(brute_f(dd, set(top)), abs=1e-6)
-                        if len(cands) == n:
-                            assert got == 1.0
-                        if name == "f_top":
-                            m, q = brute_mq(dd, set(top))
-                            cert = max(2 * n / (2 * n + m), 2 * q / (n + q))
-                            assert out["certificate"][bi, hi, i, t].item() == pytest.approx(cert, abs=1e-6)
-                            assert out["certificate"][bi, hi, i, t] <= got
-                            assert out["sink_in_top"][bi, hi, i, t].item() == float(
-                                any(s in top for s in sinks)
-                            )
-                            assert out["bound"][bi, hi, i, t] <= got
+    check_selection(out, pat, v, ns, sinks)
 
 
 def test_n_larger_than_sources_is_nan_and_excluded_from_means() -> None:

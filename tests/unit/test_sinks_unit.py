@@ -12,6 +12,7 @@ import pytest
 import torch
 from conftest import make_tiny, random_tokens
 from hypothesis import example, given, settings, strategies as st
+from refs import check_sink_statistics, close, cosine, sink_reference
 
 from mechgeom.analyses.contribution.weights import LayerGeometry
 from mechgeom.analyses.scoring import text_nll
@@ -49,127 +50,13 @@ from mechgeom.viz import plot_cone_shift, plot_convexity_curves, plot_rate_vs_ra
 # --------------------------------------------------------------------------- loop reference
 
 
-def _cos(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float(a @ b / (a.norm() * b.norm()))
-
-
-def reference(model, tokens, sinks):
-    """Every sink statistic by explicit Python loops over layers, texts, heads, queries and sources."""
-    with torch.no_grad():
-        _, cache = model.run_with_cache(tokens)
-    cfg = model.cfg
-    n_heads = cfg.n_heads
-    group = n_heads // (cfg.n_key_value_heads or n_heads)
-    n_texts, pos = tokens.shape
-    nonsink = [j for j in range(pos) if j not in sinks]
-    queries = [i for i in range(pos) if i > max(sinks)]
-    nan = float("nan")
-    out = {
-        k: {} for k in ("rate", "rate_pos", "ratio_v", "ratio_vt", "cos_tok", "cos_mean", "query", "entries")
-    }
-    for layer in range(cfg.n_layers):
-        pattern = cache[hook_name(layer, "pattern")].double()
-        v = cache[hook_name(layer, "v")].double()
-        z = cache[hook_name(layer, "z")].double()
-        W_O = model.W_O[layer].detach().double()
-        for h in range(n_heads):
-            out["entries"][(layer, h)] = {"sink": [], "tail": []}
-            for b in range(n_texts):
-                vt = [v[b, j, h // group] @ W_O[h] for j in range(pos)]
-                vn = [float(v[b, j, h // group].norm()) for j in range(pos)]
-                o = [z[b, i, h] @ W_O[h] for i in range(pos)]
-                alpha = pattern[b, h]
-                key = (b, layer, h)
-                out["rate"][key] = (
-                    np.mean([sum(float(alpha[i, s]) for s in sinks) for i in queries]) if queries else nan
-                )
-                for s in sinks:
-                    k2 = (*key, s)
-                    out["rate_pos"][k2] = np.mean([float(alpha[i, s]) for i in queries]) if queries else nan
-                    if nonsink:
-                        out["ratio_v"][k2] = vn[s] / np.mean([vn[j] for j in nonsink])
-                        out["ratio_vt"][k2] = float(vt[s].norm()) / np.mean(
-                            [float(vt[j].norm()) for j in nonsink]
-                        )
-                        out["cos_tok"][k2] = np.mean([_cos(vt[s], vt[j]) for j in nonsink])
-                    else:
-                        out["ratio_v"][k2] = out["ratio_vt"][k2] = out["cos_tok"][k2] = nan
-                cos_q = []
-                for i in queries:
-                    ms = sum(float(alpha[i, s]) for s in sinks)
-                    mr = sum(float(alpha[i, j]) for j in nonsink if j <= i)
-                    vs = sum(alpha[i, s] * vt[s] for s in sinks) / ms
-                    m = sum(alpha[i, j] * vt[j] for j in nonsink if j <= i) / mr
-                    a, c, x = float(vs @ vs), float(m @ m), float(vs @ m)
-                    s_star = (c - x) / (a - 2 * x + c)
-                    out["query"][(*key, i)] = (ms, a, x, c, s_star, float(o[i].norm()))
-                    cos_q.append(x / math.sqrt(a * c))
-                    for j in range(i + 1):
-                        cval = float(o[i] @ (alpha[i, j] * vt[j]) / (o[i] @ o[i]))
-                        ratio = float(vt[j].norm() / o[i].norm())
-                        cosv = _cos(o[i], vt[j])
-                        assert cval == pytest.approx(float(alpha[i, j]) * ratio * cosv, rel=1e-9)
-                        row = (
-                            math.log(alpha[i, j]),
-                            math.log(ratio),
-                            math.log(abs(cosv)),
-                            math.log(abs(cval)),
-                        )
-                        out["entries"][(layer, h)]["sink" if j in sinks else "tail"].append(row)
-                out["cos_mean"][key] = np.mean(cos_q) if cos_q else nan
-    return out
-
-
-def _ref_shares(rows):
-    x = np.array(rows)
-    if len(x) < 2:
-        return np.full(3, np.nan), np.full(3, np.nan) if len(x) == 0 else x[:, :3].mean(0)
-    big_l = x[:, 3]
-    cov = [np.mean((x[:, f] - x[:, f].mean()) * (big_l - big_l.mean())) for f in range(3)]
-    return np.array(cov) / big_l.var(), x[:, :3].mean(0)
-
-
-def _close(a, b, tol=2e-5):
-    a, b = float(a), float(b)
-    if math.isnan(b):
-        return math.isnan(a)
-    return abs(a - b) <= tol * (1 + abs(b))
-
-
 @pytest.mark.parametrize(("sinks", "n_kv"), [([0], None), ([0], 2), ([1, 3], 2)])
 def test_statistics_match_loop_reference(sinks, n_kv):
     model = make_tiny(n_kv=n_kv)
     tokens = random_tokens(2, 9)
     res = sink_statistics(model, tokens, sink_positions=sinks, batch_size=1)
-    ref = reference(model, tokens, sinks)
-    s_star = res.s_star()
-    shares, means, counts = res.factor_shares()
-    for layer in range(2):
-        for h in range(4):
-            for b in range(2):
-                key = (b, layer, h)
-                assert _close(res.sink_rate[b, layer, h], ref["rate"][key])
-                assert _close(res.cos_sink_mean[b, layer, h], ref["cos_mean"][key], 1e-4)
-                for si, s in enumerate(sinks):
-                    k2 = (*key, s)
-                    assert _close(res.sink_rate_pos[b, layer, h, si], ref["rate_pos"][k2])
-                    assert _close(res.norm_ratio_v[b, layer, h, si], ref["ratio_v"][k2])
-                    assert _close(res.norm_ratio_vt[b, layer, h, si], ref["ratio_vt"][k2])
-                    assert _close(res.cos_sink_tokens[b, layer, h, si], ref["cos_tok"][k2], 1e-4)
-                for i in range(9):
-                    got = (res.sink_mass, res.sq_sink, res.cross, res.sq_mean, s_star, res.head_out_norm())
-                    if (*key, i) not in ref["query"]:
-                        assert all(math.isnan(float(t[b, layer, h, i])) for t in got)
-                        continue
-                    for t, want in zip(got, ref["query"][(*key, i)], strict=True):
-                        assert _close(t[b, layer, h, i], want, 1e-4)
-            for g, gname in enumerate(("sink", "tail")):
-                rows = ref["entries"][(layer, h)][gname]
-                want_shares, want_means = _ref_shares(rows)
-                assert int(counts[layer, h, g]) == len(rows)
-                np.testing.assert_allclose(shares[layer, h, g].numpy(), want_shares, atol=2e-4, rtol=1e-3)
-                np.testing.assert_allclose(means[layer, h, g].numpy(), want_means, atol=1e-4, rtol=1e-4)
-                assert float(shares[layer, h, g].sum()) == pytest.approx(1.0, abs=1e-4)
+    ref = sink_reference(model, tokens, sinks)
+    check_sink_statistics(res, ref, n_layers=2, n_heads=4, n_texts=2, pos=9, sinks=sinks)
 
 
 def test_to_frame_one_row_per_head_and_sink():
@@ -323,7 +210,7 @@ def test_value_ablation_modes():
             target = np.mean([float(clean[b, j, kv].norm()) for j in keep])
             for s in sinks:
                 assert float(mean[b, s, kv].norm()) == pytest.approx(target, rel=1e-5)
-                assert _cos(mean[b, s, kv], clean[b, s, kv]) == pytest.approx(1.0, abs=1e-5)
+                assert cosine(mean[b, s, kv], clean[b, s, kv]) == pytest.approx(1.0, abs=1e-5)
     half = _values_after(model, tokens, sink_value_hooks(model, layers=1, mode="scale", scale=0.5), 1)
     torch.testing.assert_close(half[:, 0], clean[:, 0] * 0.5)
     # per-text positions (the control): text 0 ablates position 4, text 1 position 7
@@ -440,12 +327,12 @@ def test_sequence_of_length_two():
     model = make_tiny(n_kv=2)
     tokens = random_tokens(1, 2)
     res = sink_statistics(model, tokens)
-    ref = reference(model, tokens, [0])
+    ref = sink_reference(model, tokens, [0])
     assert torch.isfinite(res.sink_rate).all() and torch.isfinite(res.norm_ratio_vt).all()
     for layer in range(2):
         for h in range(4):
-            assert _close(res.sink_rate[0, layer, h], ref["rate"][(0, layer, h)])
-            assert _close(res.norm_ratio_v[0, layer, h, 0], ref["ratio_v"][(0, layer, h, 0)])
+            assert close(res.sink_rate[0, layer, h], ref["rate"][(0, layer, h)])
+            assert close(res.norm_ratio_v[0, layer, h, 0], ref["ratio_v"][(0, layer, h, 0)])
     shares, _, counts = res.factor_shares()
     assert (counts == 1).all() and torch.isnan(shares).all()  # one entry per group: no variance
     both = sink_statistics(model, tokens, sink_positions=[0, 1])  # no non-sink token left

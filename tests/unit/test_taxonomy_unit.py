@@ -11,6 +11,7 @@ import pandas as pd
 import pytest
 import torch
 from conftest import make_tiny, random_tokens
+from refs import brute_winners
 
 from mechgeom.analyses.heads import taxonomy_order
 from mechgeom.analyses.heads.taxonomy import (
@@ -52,22 +53,6 @@ def hand_patterns(b: int, k: int) -> torch.Tensor:
     prev[0, 0] = 1
     prev[torch.arange(1, k), torch.arange(0, k - 1)] = 1
     return torch.stack([eye, sink, uni, prev])[None].expand(b, -1, -1, -1).clone()
-
-
-def brute_winners(pat: torch.Tensor, v: torch.Tensor) -> list[list[list[int]]]:
-    b, h, _, k = pat.shape
-    out = []
-    for bi in range(b):
-        rows = []
-        for hi in range(h):
-            ws = []
-            for i in range(k):
-                scores = [float(pat[bi, hi, i, j]) * float(v[bi, j, hi].norm()) for j in range(i + 1)]
-                best = max(scores)
-                ws.append(next(j for j, s in enumerate(scores) if s == best))  # first = lowest position
-            rows.append(ws)
-        out.append(rows)
-    return out
 
 
 def test_hand_built_patterns_get_their_regime() -> None:

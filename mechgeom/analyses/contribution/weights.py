@@ -68,6 +68,7 @@ from mechgeom.hooks import (
     to_batch,
     token_strings,
 )
+from mechgeom.models.adapter import adapter
 from mechgeom.typing import Bool, Float, Int, Tensor, Tokens
 
 __all__ = [
@@ -1020,7 +1021,21 @@ def contribution_weights_from_cache(
 
 
 def reconstruct_attn_out(model: Any, acts: LayerActivations) -> Float[Tensor, "batch pos d_model"]:
-    """``sum_h sum_j alpha[h,i,j] vt[j,h] + b_O``: what ``hook_attn_out`` should read."""
+    """What ``hook_attn_out`` should read: ``sum_h sum_j alpha[h,i,j] vt[j,h] + b_O``, through the model's
+    post-attention norm where it has one (Gemma-2 and -3, :meth:`~mechgeom.models.adapter.ModelAdapter.attn_out_norm`).
+
+    Args:
+        model: the model the activations were read from.
+        acts: one layer's activations (:class:`~mechgeom.hooks.LayerActivations`).
+
+    Returns:
+        ``[batch, pos, d_model]``, in the activations' compute dtype (float32 at least).
+    """
     geo = LayerGeometry.from_activations(acts)
     mixed = einops.einsum(geo.pattern.to(geo.dtype), geo.v, "b h q k, b k h d -> b q h d")  # float32 in half
-    return head_outputs(mixed, geo.W_O).sum(dim=2) + acts.b_O
+    out = head_outputs(mixed, geo.W_O).sum(dim=2) + acts.b_O
+    norm = adapter(model).attn_out_norm(acts.layer)
+    if norm is None:
+        return out
+    with torch.no_grad():
+        return norm(out.to(acts.b_O.dtype)).to(out.dtype)
