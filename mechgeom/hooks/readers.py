@@ -182,7 +182,8 @@ class LayerActivations:
     ``modified[b, h, i]`` is ``True`` where ``z`` is not ``sum_j alpha v_j`` (an earlier hook changed it, see
     :func:`modified_mask`); ``None`` means "not checked" (treated as unmodified). ``causal`` is ``False`` for an
     encoder, whose queries see every key; ``key_mask[b, j]`` is then ``False`` at padding (a key no query of
-    text ``b`` attends to, in any head), ``None`` when there is none.
+    text ``b`` attends to, in any head), ``None`` when there is none. ``window`` is the width ``W`` of a
+    sliding-window layer (its query ``i`` sees the keys ``i - W < j <= i`` only; ``None``: every earlier key).
     """
 
     layer: int
@@ -194,6 +195,7 @@ class LayerActivations:
     modified: Bool[Tensor, "batch head_index query_pos"] | None = None
     causal: bool = True
     key_mask: Bool[Tensor, "batch key_pos"] | None = None
+    window: int | None = None
 
     @property
     def any_modified(self) -> bool:
@@ -402,6 +404,7 @@ class LayerCollector:
                 modified=modified,
                 causal=self.causal,
                 key_mask=self._key_mask(slot["pattern"]),
+                window=adapter(self.model).attention_window(layer) if self.causal else None,
             )
             if self.on_layer is None:
                 self.captured[layer] = acts

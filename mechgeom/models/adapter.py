@@ -284,6 +284,28 @@ class ModelAdapter:
         norm = getattr(self.model.blocks[layer], "ln1_post", None)
         return norm if isinstance(norm, torch.nn.Module) else None
 
+    def attention_window(self, layer: int) -> int | None:
+        """The width ``W`` of a sliding-window (local) attention layer, whose query ``i`` sees the keys
+        ``i - W < j <= i`` only (Mistral, Gemma-2/3's local layers); ``None`` for a global layer.
+
+        A ``HookedTransformer`` says it in ``cfg.use_local_attn`` / ``cfg.attn_types[layer] == "local"`` and
+        ``cfg.window_size``; a bridge keeps its Hugging Face config: ``sliding_window`` with ``layer_types``
+        (``"sliding_attention"`` layers), or, without ``layer_types``, on every layer unless
+        ``use_sliding_window`` is ``False`` (Qwen2's default). Both mask ``j <= i - W`` the same way.
+        """
+        cfg = self.model.cfg
+        if getattr(cfg, "use_local_attn", False) and isinstance(getattr(cfg, "window_size", None), int):
+            types = getattr(cfg, "attn_types", None)
+            return int(cfg.window_size) if types is None or types[layer] == "local" else None
+        hf = getattr(getattr(self.model, "original_model", None), "config", None)
+        width = getattr(hf, "sliding_window", None) if hf is not None else None
+        if not isinstance(width, int) or width <= 0 or getattr(hf, "use_sliding_window", True) is False:
+            return None
+        types = getattr(hf, "layer_types", None)
+        if types is None:
+            return width
+        return width if types[layer] == "sliding_attention" else None
+
     # ------------------------------------------------------------------ interventions
 
     def _b_O(self, layer: int) -> Float[Tensor, " d_model"]:

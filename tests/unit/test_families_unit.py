@@ -151,7 +151,7 @@ def test_reconstruction_reproduces_hook_attn_out(family: str) -> None:
         )
 
 
-FACTORS = ("factor_norm_ratio", "factor_cos")  # not weighted by alpha: see the xfail below
+FACTORS = ("factor_norm_ratio", "factor_cos")  # not weighted by alpha: 0 outside a window by the source rule
 
 
 @fams
@@ -172,21 +172,23 @@ def test_local_layers_attend_within_their_window_and_so_do_the_metrics(family: s
             assert (pattern[..., outside] > 1e-3).any(), f"layer {layer} is global"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="docs/definitions.md §1.1 takes every j <= i as a source of a decoder's query i, so the "
-    "alpha-free factors (factor_norm_ratio, factor_cos) are nonzero at keys a sliding window masks; making "
-    "them 0 needs the adapter to give each layer's window and the geometry (the fused kernel too) to mask it",
-)
 @local_fams
 def test_factors_are_zero_outside_a_local_window(family: str) -> None:
+    """The keys a sliding window hides are not sources (docs/definitions.md §1.1): the alpha-free factors are 0
+    there too, on the full sweep and on the kept rows of ``queries=``; inside the window they are untouched."""
     model = family_model(family)
-    res = contribution_weights(model, tokens(family, pos=POS))
+    toks = tokens(family, pos=POS)
+    res = contribution_weights(model, toks)
+    last = contribution_weights(model, toks, queries=[-1])
     outside = torch.ones(POS, POS, dtype=torch.bool).tril(-WINDOW)
+    inside = torch.ones(POS, POS, dtype=torch.bool).tril() & ~outside
     for li, layer in enumerate(res.layers):
-        if layer in FAMILIES[family].local_layers:
-            for name in FACTORS:
-                assert (res.intra[name][:, li][..., outside] == 0).all(), name
+        local = layer in FAMILIES[family].local_layers
+        for name in FACTORS:
+            full = res.intra[name][:, li]
+            assert (full[..., outside] == 0).all() == local, (name, layer)
+            assert (full[..., inside] != 0).any(), (name, layer)
+            torch.testing.assert_close(last.intra[name][:, li, :, 0], full[:, :, -1], rtol=1e-5, atol=1e-6)
 
 
 # --------------------------------------------------------------------------- the other analyses
@@ -205,12 +207,6 @@ def test_sink_statistics_match_the_loop_reference(family: str) -> None:
     )
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="SinkResult.head_out_norm() (mechgeom/analyses/sinks/convexity.py) rebuilds ‖o‖ from the convexity "
-    "terms s² a + 2s(1-s) x + (1-s)² c, whose a and x are NaN at a zero sink mass: NaN at every query a sliding "
-    "window keeps from the sink, where ‖o‖ = ‖m‖ (sq_mean) is finite",
-)
 @local_fams
 def test_head_out_norm_is_finite_where_a_window_hides_the_sink(family: str) -> None:
     model, cache = family_model(family), cache_of(family)

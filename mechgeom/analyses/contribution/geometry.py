@@ -108,6 +108,7 @@ class LayerGeometry:
         key_mask: Bool[Tensor, "batch key_pos"] | None = None,
         workspace: dict[str, Tensor] | None = None,
         keys_only: bool = False,
+        window: int | None = None,
     ) -> None:
         if pattern.shape[-1] != pattern.shape[-2]:
             raise ValueError(
@@ -135,6 +136,9 @@ class LayerGeometry:
             self.z = self._mixed_values(self.z)
         #: ``[b k]`` real (non-padding) tokens of an encoder's batch; ``None`` = all real.
         self.key_mask = key_mask if key_mask is not None and not bool(key_mask.all()) else None
+        #: A sliding-window layer's width: the keys ``j <= i - window`` are not sources of query ``i`` (0 in every
+        #: metric, factors included); ``None``: every key up to the query is.
+        self.window = window if causal and window is not None and window < pattern.shape[-1] else None
         self._metrics: dict[str, Tensor] = {}
         #: Temporaries kept between layers (by whoever passes the dict, e.g. a collector), so that memory the
         #: allocator would hand back to the system is not faulted in again every layer. Never returned.
@@ -193,6 +197,7 @@ class LayerGeometry:
             causal=acts.causal,
             key_mask=acts.key_mask,
             workspace=workspace,
+            window=acts.window,
         )
 
     # ---- outputs and values in d_model (the metrics only need projected_values, for the Gram matrix)
@@ -488,6 +493,13 @@ class LayerGeometry:
             real = self.key_mask[:, :, None] & self.key_mask[:, None, :]  # [b q k]
             for k, t in out.items():
                 t.masked_fill_(~(real if metrics.lookup(k).scope == "inter" else real[:, None]), 0)
+        if (
+            self.window is not None
+        ):  # a sliding window: the keys before it are not sources (alpha-free factors)
+            pos = torch.arange(alpha.shape[-1], device=alpha.device)
+            before = pos[None, :] <= pos[:, None] - self.window  # [q k]
+            for t in out.values():
+                t.masked_fill_(before, 0)
         for k, buf in staged.items():
             out[k] = buf.copy_(out[k])
         self._metrics.update(out)

@@ -151,9 +151,10 @@ def source_mask(
     n_keys: int,
     causal: bool,
     device: torch.device,
+    window: int | None = None,
 ) -> Bool[Tensor, "batch query_pos key_pos"]:
     """Which keys are sources of each kept row: real keys of a real query (of a non-empty row), and on a
-    decoder (``causal``) no key after the query."""
+    decoder (``causal``) no key after the query, nor one ``window`` or more before it (a sliding window)."""
     real = (
         torch.ones(index.shape[0], n_keys, dtype=torch.bool, device=device)
         if key_mask is None
@@ -163,6 +164,8 @@ def source_mask(
     src = real[:, None, :] & ((qpos >= 0) & real.gather(1, qpos.clamp_min(0)))[..., None]
     if causal:
         src &= torch.arange(n_keys, device=device) <= qpos[..., None]
+        if window is not None:
+            src &= torch.arange(n_keys, device=device) > qpos[..., None] - window
     return src
 
 
@@ -202,7 +205,9 @@ def _row_blocks(
                 block, out(step_.key, r0, r1) if step_.key in keys else None
             )
         # not sources: keys after the query (a decoder), padding, and the empty rows
-        src = source_mask(acts.key_mask, index[:, r0:r1], alpha.shape[-1], acts.causal, alpha.device)
+        src = source_mask(
+            acts.key_mask, index[:, r0:r1], alpha.shape[-1], acts.causal, alpha.device, acts.window
+        )
         got: dict[str, Tensor] = {}
         for m in intra:
             t = block.alpha if m == "attention" else block.done[metrics.lookup(m, "intra").key]

@@ -283,8 +283,12 @@ class ConvexityTerms:
         return self._norm_at(self.sink_mass)
 
     def _norm_at(self, s: Tensor) -> Tensor:
-        sq = s**2 * self.sq_sink + 2 * s * (1 - s) * self.cross + (1 - s) ** 2 * self.sq_mean
-        return sq.clamp_min(0).sqrt()
+        """``‖o(s)‖`` at the rates ``s``. At ``s = 0`` the output is the non-sink mean alone and at ``s = 1`` the
+        sink alone: there the other part's terms are left out, since they are NaN (``vt_S`` has no mass to be
+        a mean of at ``s = 0``, e.g. where a sliding window hides the sink, and ``m`` none at ``s = 1``)."""
+        sink = torch.where(s == 0, 0.0, s**2 * self.sq_sink + 2 * s * (1 - s) * self.cross)
+        mean = torch.where(s == 1, 0.0, (1 - s) ** 2 * self.sq_mean)
+        return (sink + mean).clamp_min(0).sqrt()
 
     def interior_share(self, pooled: bool = False) -> Tensor:
         """Share of (text, query) pairs with ``s*`` in ``(0, 1)`` among those with a finite ``s*``,
