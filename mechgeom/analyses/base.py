@@ -24,14 +24,20 @@ each layer once however many analyses listen.
 **Entry points.** Every analysis has one function of the shape
 ``analysis(model, tokens_or_text, *, layers=None, cache=None, extra_hooks=(), verbose=False, ...)``, written
 with :func:`run_collector`: on text or token ids it runs the model (``extra_hooks``, the user's interventions,
-first); with ``cache=`` it reads an ``ActivationCache`` the user already has instead of running anything.
+first); with ``cache=`` it reads an ``ActivationCache`` the user already has instead of running anything. The
+options of that pass are declared once, as :class:`PassOptions`: an entry point declares its own options
+(``layers`` among them) and takes ``**run: Unpack[PassOptions]``, and :func:`entry_point` fills their defaults,
+rejects an unknown keyword and shows every option in its signature and docstring.
 """
 
 from __future__ import annotations
 
 import abc
-from collections.abc import Sequence
-from typing import Any, ClassVar
+import functools
+import inspect
+import textwrap
+from collections.abc import Callable, Sequence
+from typing import Any, ClassVar, ParamSpec, TypedDict, TypeVar, Unpack, cast
 
 import pandas as pd
 
@@ -47,10 +53,13 @@ from mechgeom.hooks import (
 from mechgeom.typing import Tensor, Tokens
 
 __all__ = [
+    "PASS_DEFAULTS",
     "Collector",
+    "PassOptions",
     "Result",
     "check_cache",
     "collect",
+    "entry_point",
     "model_name",
     "nothing_collected",
     "run_collector",
@@ -96,6 +105,116 @@ def check_cache(cache: Any, layers: Sequence[int]) -> None:
                     "with remove_batch_dim=True. Run run_with_cache without it (mechgeom reads [batch, ...] "
                     "activations), or add the axis back with tensor[None]"
                 )
+
+
+class PassOptions(TypedDict, total=False):
+    """The options of the pass every entry point runs, declared once (see :data:`PASS_DEFAULTS`,
+    :func:`entry_point`); :func:`run_collector` takes them as they are."""
+
+    cache: Any
+    extra_hooks: Sequence[FwdHook]
+    verbose: bool
+    attention_mask: Tensor | None
+
+
+#: The default of every :class:`PassOptions` option.
+PASS_DEFAULTS: PassOptions = {"cache": None, "extra_hooks": (), "verbose": False, "attention_mask": None}
+
+#: What every :class:`PassOptions` option means, written once; :func:`entry_point` adds it to the Args of
+#: every entry point that does not say more about the option itself.
+_PASS_DOCS = {
+    "cache": "an ``ActivationCache`` (or dict) holding ``hook_pattern``, ``hook_v`` and ``hook_z`` of the "
+    "analysed layers: they are read from it and nothing is run (a cache taken under a ``hook_z`` patch is "
+    "marked like a live pass). ``tokens_or_text`` are then the cached texts, optional: without them a result "
+    "has no token strings.",
+    "extra_hooks": "``(hook_name, fn)`` pairs (interventions, e.g. a patching hook) run in the same passes, "
+    "before mechgeom's readers on the same hook point; they need a forward pass, so they cannot be combined "
+    "with ``cache``.",
+    "verbose": "a progress bar over the batches of texts.",
+    "attention_mask": "``[batch, pos]``, 1 at real tokens, 0 at padding (left or right). The default is the "
+    "padding of a list of texts (the tokenizer's ``padding_side``) and an encoder's ``[PAD]`` ids "
+    "(:func:`~mechgeom.hooks.to_batch`); padding is then never a query, a source or a sink, so each text's "
+    "numbers are those of the text run alone, at positions inside it. With ``cache`` it marks the cached "
+    "pass' padding (derived from ``tokens_or_text`` the same way when they are given).",
+}
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+def _with_pass_docs(doc: str | None, documented: Sequence[str]) -> str:
+    """``doc`` (cleaned) with the :class:`PassOptions` it does not document added at the end of its Args."""
+    blocks = inspect.cleandoc(doc or "").split("\n\n")
+    at = next((i for i, b in enumerate(blocks) if b.startswith("Args:")), None)
+    if at is None:
+        blocks.append("Args:")
+        at = len(blocks) - 1
+    for name, text in _PASS_DOCS.items():
+        if name not in documented:
+            wrapped = textwrap.fill(text, 112, initial_indent=f"    {name}: ", subsequent_indent=" " * 8)
+            blocks[at] += "\n" + wrapped
+    return "\n\n".join(blocks)
+
+
+PassOptions.__doc__ = _with_pass_docs(PassOptions.__doc__, ())
+
+
+def entry_point(fn: Callable[_P, _R]) -> Callable[_P, _R]:
+    """Make ``fn``, declared ``def fn(model, tokens_or_text, *, <its own options>, **run:
+    Unpack[PassOptions])``, an entry point: ``run`` holds every :class:`PassOptions` option (the defaults of
+    :data:`PASS_DEFAULTS` filled in), an unknown keyword raises ``TypeError`` naming the valid ones, and
+    ``inspect.signature`` / ``help`` show every option as a keyword-only parameter with its default, type and
+    documentation (``fn``'s own Args may say more about one; the others come from :class:`PassOptions`). A
+    ``keyword_only`` deprecation shim (:mod:`mechgeom._deprecation`) goes outside it.
+
+    Args:
+        fn: the entry point, its last parameter ``**run``.
+
+    Returns:
+        ``fn`` with the options filled in and checked, the same to type checkers.
+
+    Raises:
+        TypeError: ``fn`` takes no ``**run``.
+
+    >>> @entry_point
+    ... def f(model, tokens_or_text, *, k=1, **run):
+    ...     '''Args:
+    ...         k: a number.'''
+    ...     return k, run["cache"], run["verbose"]
+    >>> f(None, "a", verbose=True)
+    (1, None, True)
+    >>> print(inspect.signature(f))
+    (model, tokens_or_text, *, k=1, cache: 'Any' = None, extra_hooks: 'Sequence[FwdHook]' = (), verbose: 'bool' = False, attention_mask: 'Tensor | None' = None)
+    >>> f(None, "a", verbos=True)
+    Traceback (most recent call last):
+    TypeError: f() got an unexpected keyword argument 'verbos'; its options are k, cache, extra_hooks, verbose, attention_mask
+    """
+    sig = inspect.signature(fn)
+    *own, run = sig.parameters.values()
+    if run.kind is not run.VAR_KEYWORD or run.name != "run":
+        raise TypeError(f"{fn.__name__} must take the pass options as **run: Unpack[PassOptions]")
+    annotations = {k: getattr(a, "__forward_arg__", a) for k, a in PassOptions.__annotations__.items()}
+    shared = [
+        inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=annotations[name])
+        for name, default in PASS_DEFAULTS.items()
+    ]
+    options = [p.name for p in own if p.kind is p.KEYWORD_ONLY] + list(PASS_DEFAULTS)
+    keywords = {p.name for p in own if p.kind is not p.POSITIONAL_ONLY} | set(PASS_DEFAULTS)
+
+    @functools.wraps(fn)
+    def inner(*args: Any, **kwargs: Any) -> _R:
+        unknown = [k for k in kwargs if k not in keywords]
+        if unknown:
+            raise TypeError(
+                f"{fn.__name__}() got an unexpected keyword argument {unknown[0]!r}; its options are "
+                + ", ".join(options)
+            )
+        return fn(*args, **{**PASS_DEFAULTS, **kwargs})  # type: ignore[arg-type]
+
+    inner.__signature__ = sig.replace(parameters=[*own, *shared])  # type: ignore[attr-defined]
+    documented = [n for n in PASS_DEFAULTS if f"\n    {n}: " in "\n" + inspect.cleandoc(fn.__doc__ or "")]
+    inner.__doc__ = _with_pass_docs(fn.__doc__, documented)
+    return cast(Callable[_P, _R], inner)
 
 
 class Result(abc.ABC):
@@ -299,19 +418,17 @@ def collect(
     return results if many else results[0]
 
 
+@entry_point
 def run_collector(
     model: Any,
     tokens_or_text: TokensOrText | None,
     collector: Collector,
     *,
-    cache: Any = None,
-    extra_hooks: Sequence[FwdHook] = (),
     batch_size: int = 8,
-    verbose: bool = False,
     desc: str = "batches",
     min_pos: int = 1,
     what: str = "this analysis",
-    attention_mask: Tensor | None = None,
+    **run: Unpack[PassOptions],
 ) -> Any:
     """The body of every entry point: run ``collector`` on ``tokens_or_text``, or read ``cache``.
 
@@ -320,20 +437,14 @@ def run_collector(
         tokens_or_text: text, texts or token ids; with ``cache`` they are the cached texts (optional: without
             them a result has no token strings).
         collector: a fresh :class:`Collector`.
-        cache: an ``ActivationCache`` (or dict) holding ``hook_pattern``, ``hook_v`` and ``hook_z`` of the
-            collector's layers; nothing is run.
-        extra_hooks: interventions run in the same passes, before the readers; they need a forward pass, so
-            they cannot be combined with ``cache``.
         batch_size: texts per forward pass.
-        verbose: a progress bar over batches, labelled ``desc``.
+        desc: the label of ``verbose``'s progress bar.
         min_pos: the fewest positions per text the analysis needs; ``what`` names it in the error.
-        attention_mask: ``[batch, pos]``, 1 at real tokens; by default the padding of a list of texts and an
-            encoder's ``[PAD]`` ids (:func:`~mechgeom.hooks.to_batch`). With ``cache`` it marks the cached
-            pass' padding (derived from ``tokens_or_text`` the same way when they are given).
 
     Returns:
         The collector's :class:`Result`.
     """
+    cache, extra_hooks, attention_mask = run["cache"], run["extra_hooks"], run["attention_mask"]
     encoders = collector.supports_encoders
     if cache is not None:
         if extra_hooks:
@@ -369,6 +480,6 @@ def run_collector(
         batch_size=batch_size,
         extra_hooks=extra_hooks,
         desc=desc,
-        verbose=verbose,
+        verbose=run["verbose"],
         attention_mask=mask,
     )

@@ -1,11 +1,12 @@
 """The model cache's shared pieces (private): where processed weights live, file hashes, quiet loading,
-unreadable-cache handling and config round trips; used by
+unreadable-cache handling, config round trips and the cached weights' file; used by
 :mod:`mechgeom.models.decoders` and :mod:`mechgeom.models.encoders`."""
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import os
 import warnings
 from collections.abc import Iterator
@@ -13,6 +14,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from mechgeom._io import atomic_write
 
 try:  # TransformerLens 3.x; 4.0 removed the hooked classes (the bridge is the only backend there)
     from transformer_lens import HookedTransformer, HookedTransformerConfig
@@ -26,8 +29,10 @@ __all__ = [
     "cache_dir",
     "cfg_from_json",
     "cfg_to_json",
+    "load_weights",
     "quiet",
     "read_cache",
+    "save_weights",
     "sha256_file",
 ]
 
@@ -103,3 +108,43 @@ def cfg_from_json(d: dict[str, Any]) -> HookedTransformerConfig:
     d = dict(d)
     d["dtype"] = getattr(torch, d["dtype"])
     return HookedTransformerConfig(**d)
+
+
+def save_weights(model: Any, path: Path, sha: str, fmt: int) -> None:
+    """Write ``model``'s config and weights (on the CPU) to ``path``, atomically, stamped with the cache layout
+    ``fmt`` and the ``sha`` of the file they were built from; :func:`load_weights` reads them back.
+
+    Args:
+        model: a ``HookedTransformer`` or ``HookedEncoder``.
+        path: the entry's ``.pt`` file.
+        sha: the SHA-256 of the source weights.
+        fmt: the writing module's cache layout version.
+    """
+    payload = {
+        "format": fmt,
+        "sha256": sha,
+        "cfg_json": json.dumps(cfg_to_json(model.cfg)),
+        "state_dict": {k: v.detach().cpu() for k, v in model.state_dict().items()},
+    }
+    with atomic_write(path, mode="wb") as f:
+        torch.save(payload, f)
+
+
+def load_weights(path: Path, sha: str, fmt: int) -> tuple[HookedTransformerConfig, dict[str, torch.Tensor]]:
+    """The config and weights that :func:`save_weights` wrote to ``path``, on the CPU.
+
+    Args:
+        path: the entry's ``.pt`` file.
+        sha: the SHA-256 the source weights have now.
+        fmt: the reading module's cache layout version.
+
+    Returns:
+        ``(cfg, state_dict)``.
+
+    Raises:
+        ValueError: the entry has another layout or was built from other weights ("stale cache entry").
+    """
+    payload = torch.load(path, map_location="cpu", weights_only=True)
+    if payload.get("format") != fmt or payload.get("sha256") != sha:
+        raise ValueError("stale cache entry")
+    return cfg_from_json(json.loads(payload["cfg_json"])), payload["state_dict"]

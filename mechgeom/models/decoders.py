@@ -34,16 +34,17 @@ from typing import Any, Literal
 
 import torch
 
-from mechgeom._io import atomic_write
 from mechgeom.models.adapter import TL_VERSION
 from mechgeom.models.cache import (
     HookedTransformer,
     HookedTransformerConfig,
     cache_dir,
-    cfg_from_json as _cfg_from_json,
-    cfg_to_json as _cfg_to_json,
+    cfg_from_json as _cfg_from_json,  # noqa: F401  (the tests' config round trip reads it here)
+    cfg_to_json as _cfg_to_json,  # noqa: F401
+    load_weights,
     quiet as _quiet,
     read_cache as _read_cache,
+    save_weights,
     sha256_file as _sha256,
 )
 
@@ -310,14 +311,7 @@ def _cache_paths(name: str, sha: str, dtype: torch.dtype) -> tuple[Path, Path]:
 
 def _save_cache(model: HookedTransformer, tokenizer: Any, sd_path: Path, tok_path: Path, sha: str) -> None:
     sd_path.parent.mkdir(parents=True, exist_ok=True)
-    payload = {
-        "format": _CACHE_FORMAT,
-        "sha256": sha,
-        "cfg_json": json.dumps(_cfg_to_json(model.cfg)),
-        "state_dict": {k: v.detach().cpu() for k, v in model.state_dict().items()},
-    }
-    with atomic_write(sd_path, mode="wb") as f:
-        torch.save(payload, f)
+    save_weights(model, sd_path, sha, _CACHE_FORMAT)
     tmp_dir = Path(tempfile.mkdtemp(dir=sd_path.parent, prefix=".tok-"))
     try:
         tokenizer.save_pretrained(tmp_dir)
@@ -331,14 +325,11 @@ def _save_cache(model: HookedTransformer, tokenizer: Any, sd_path: Path, tok_pat
 def _load_cache(sd_path: Path, tok_path: Path, sha: str) -> HookedTransformer:
     from transformers import AutoTokenizer
 
-    payload = torch.load(sd_path, map_location="cpu", weights_only=True)
-    if payload.get("format") != _CACHE_FORMAT or payload.get("sha256") != sha:
-        raise ValueError("stale cache entry")
-    cfg = _cfg_from_json(json.loads(payload["cfg_json"]))
+    cfg, state = load_weights(sd_path, sha, _CACHE_FORMAT)
     with _quiet():
         tokenizer = AutoTokenizer.from_pretrained(tok_path)
         model = HookedTransformer(cfg, tokenizer=tokenizer, default_padding_side="right")
-    model.load_state_dict(payload["state_dict"], strict=True)
+    model.load_state_dict(state, strict=True)
     return model
 
 

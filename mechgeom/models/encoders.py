@@ -49,15 +49,14 @@ from typing import Any, Literal
 import torch
 import torch.nn.functional as F
 
-from mechgeom._io import atomic_write
 from mechgeom.models.adapter import TL_VERSION, adapter
 from mechgeom.models.cache import (
     HookedTransformerConfig,
     cache_dir,
-    cfg_from_json,
-    cfg_to_json,
+    load_weights,
     quiet,
     read_cache,
+    save_weights,
     sha256_file,
 )
 from mechgeom.typing import Float, Int, Tensor, Tokens
@@ -267,11 +266,9 @@ def _new_encoder(cfg: HookedTransformerConfig, tok: Any) -> Any:
 
 
 def _load_hooked_cache(path: Path, sha: str, tok: Any) -> Any:
-    payload = torch.load(path, map_location="cpu", weights_only=True)
-    if payload.get("format") != _CACHE_FORMAT or payload.get("sha256") != sha:
-        raise ValueError("stale cache entry")
-    model = _new_encoder(cfg_from_json(json.loads(payload["cfg_json"])), tok)
-    model.load_state_dict(payload["state_dict"], strict=True)
+    cfg, state = load_weights(path, sha, _CACHE_FORMAT)
+    model = _new_encoder(cfg, tok)
+    model.load_state_dict(state, strict=True)
     return model
 
 
@@ -321,14 +318,7 @@ def _load_hooked(dtype: torch.dtype, use_cache: bool) -> Any:
     if model is None:
         model = _build_hooked(dtype)
         if use_cache:
-            payload = {
-                "format": _CACHE_FORMAT,
-                "sha256": sha,
-                "cfg_json": json.dumps(cfg_to_json(model.cfg)),
-                "state_dict": {k: v.detach().cpu() for k, v in model.state_dict().items()},
-            }
-            with atomic_write(path, mode="wb") as f:
-                torch.save(payload, f)
+            save_weights(model, path, sha, _CACHE_FORMAT)
     return model
 
 

@@ -7,6 +7,8 @@ open. Save one with :func:`mechgeom.viz.save_png`. Nothing here computes an anal
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pandas as pd
 from matplotlib.figure import Figure
@@ -22,6 +24,30 @@ def _check_columns(frame: pd.DataFrame, columns: tuple[str, ...], what: str) -> 
     missing = [c for c in columns if c not in frame.columns]
     if missing:
         raise ValueError(f"{what} lacks column(s) {missing}; use SelectionResult.to_frame()")
+
+
+def _draw_scores_vs_n(ax: Any, n: Any, table: Any, lines: tuple[tuple[str, str, str], ...]) -> None:
+    """The left panel: ``table[col]`` against ``n`` for each ``(col, label, style)`` of ``lines``, log2 ``N``."""
+    for col, label, style in lines:
+        ax.plot(n, table[col], style, ms=3, label=label)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("N")
+    ax.set_ylabel("mean extreme F-score")
+    ax.legend(fontsize=7)
+    ax.grid(alpha=0.3)
+
+
+def _draw_predicted_vs_measured(
+    ax: Any, frame: pd.DataFrame, size: float, labels: tuple[str, str, str]
+) -> None:
+    """The right panel: one point of ``size`` per (head, ``N``), ``bound_ideal`` against the measured ``f_top``,
+    coloured by log2 ``N``, with the diagonal; ``labels`` are the x label, the y label and the title."""
+    ax.scatter(frame["bound_ideal"], frame["f_top"], s=size, c=np.log2(frame["N"]), cmap="viridis")
+    ax.plot([0, 1], [0, 1], color="0.5", lw=0.8, ls="--")
+    xlabel, ylabel, title = labels
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=9)
 
 
 def plot_selection_scores(frame: pd.DataFrame, params: pd.DataFrame | None = None) -> Figure:
@@ -40,23 +66,15 @@ def plot_selection_scores(frame: pd.DataFrame, params: pd.DataFrame | None = Non
     fig = Figure(figsize=(9, 3.4))
     ax1, ax2 = fig.subplots(1, 2)
     means = frame.groupby("N")[list(_SCORE_COLUMNS)].mean()
-    for col, label, style in (
+    lines = (
         ("f_top", "top-N", "-o"),
         ("f_random", "random N-subsets", "--o"),
         ("f_nosink", "top-N, sink excluded", "-s"),
         ("bound", "sink-aware bound (fitted)", ":"),
-    ):
-        ax1.plot(means.index, means[col], style, ms=3, label=label)
-    ax1.set_xscale("log", base=2)
-    ax1.set_xlabel("N")
-    ax1.set_ylabel("mean extreme F-score")
-    ax1.legend(fontsize=7)
-    ax1.grid(alpha=0.3)
-    ax2.scatter(frame["bound_ideal"], frame["f_top"], s=6, c=np.log2(frame["N"]), cmap="viridis")
-    ax2.plot([0, 1], [0, 1], color="0.5", lw=0.8, ls="--")
-    ax2.set_xlabel("constant-norm prediction")
-    ax2.set_ylabel("measured F_N (per head)")
-    ax2.set_title("predicted vs measured", fontsize=9)
+    )
+    _draw_scores_vs_n(ax1, means.index, means, lines)
+    labels = ("constant-norm prediction", "measured F_N (per head)", "predicted vs measured")
+    _draw_predicted_vs_measured(ax2, frame, 6, labels)
     fig.tight_layout()
     return fig
 
@@ -73,25 +91,21 @@ def plot_selection_vs_n(by_n: pd.DataFrame, frame: pd.DataFrame, title: str = ""
     _check_columns(frame, ("N", "f_top", "bound_ideal"), "selection table")
     fig = Figure(figsize=(9, 3.4))
     ax1, ax2 = fig.subplots(1, 2)
-    for col, label, style in (
+    lines = (
         ("f_top", "top-N", "-o"),
         ("f_random", "random N-subsets", "--o"),
         ("f_nosink", "top-N, sink excluded", "-s"),
         ("bound_ideal", "constant-norm prediction", "-.^"),
         ("bound", "sink-aware bound (guaranteed)", ":v"),
-    ):
-        ax1.plot(by_n["N"], by_n[col], style, ms=3, label=label)
-    ax1.set_xscale("log", base=2)
-    ax1.set_xlabel("N")
-    ax1.set_ylabel("mean extreme F-score")
+    )
+    _draw_scores_vs_n(ax1, by_n["N"], by_n, lines)
     ax1.set_ylim(0, 1.02)
-    ax1.legend(fontsize=7)
-    ax1.grid(alpha=0.3)
     ax1.set_title(title, fontsize=9)
-    ax2.scatter(frame["bound_ideal"], frame["f_top"], s=4, c=np.log2(frame["N"]), cmap="viridis")
-    ax2.plot([0, 1], [0, 1], color="0.5", lw=0.8, ls="--")
-    ax2.set_xlabel("constant-norm prediction (per head, N)")
-    ax2.set_ylabel("measured mean F_N")
-    ax2.set_title("predicted vs measured (colour: log2 N)", fontsize=9)
+    labels = (
+        "constant-norm prediction (per head, N)",
+        "measured mean F_N",
+        "predicted vs measured (colour: log2 N)",
+    )
+    _draw_predicted_vs_measured(ax2, frame, 4, labels)
     fig.tight_layout()
     return fig

@@ -23,14 +23,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Unpack
 
 import pandas as pd
 import torch
 
-from mechgeom.analyses.base import Collector, Result, run_collector
+from mechgeom.analyses.base import Collector, PassOptions, Result, entry_point, run_collector
 from mechgeom.hooks import (
-    FwdHook,
     LayerActivations,
     TokensOrText,
     check_indices,
@@ -231,16 +230,14 @@ class RolloutCollector(Collector):
         )
 
 
+@entry_point
 def attention_rollout(
     model: Any,
     tokens_or_text: TokensOrText | None,
     *,
     layers: int | Sequence[int] | None = None,
-    cache: Any = None,
-    extra_hooks: Sequence[FwdHook] = (),
-    verbose: bool = False,
     batch_size: int = 8,
-    attention_mask: Tensor | None = None,
+    **run: Unpack[PassOptions],
 ) -> RolloutResult:
     """Attention rollout scores of the input to each of ``layers`` (default every layer).
 
@@ -252,7 +249,6 @@ def attention_rollout(
             ``max(layers)``; nothing is run.
         extra_hooks: interventions run in the same passes, before the readers (a pattern edit changes
             rollout; a ``hook_z`` edit does not, and is marked in :attr:`RolloutResult.modified`).
-        verbose: a progress bar over batches.
         batch_size: texts per forward pass.
         attention_mask: ``[batch, pos]``, 1 at real tokens, 0 at padding (left or right); by default the
             padding of a list of texts or an encoder's ``[PAD]``. Padding is neither a query nor a source
@@ -261,14 +257,5 @@ def attention_rollout(
     Returns:
         A :class:`RolloutResult`.
     """
-    return run_collector(  # type: ignore[no-any-return]
-        model,
-        tokens_or_text,
-        RolloutCollector(model, layers),
-        cache=cache,
-        extra_hooks=extra_hooks,
-        batch_size=batch_size,
-        verbose=verbose,
-        desc="rollout",
-        attention_mask=attention_mask,
-    )
+    col = RolloutCollector(model, layers)
+    return run_collector(model, tokens_or_text, col, batch_size=batch_size, desc="rollout", **run)  # type: ignore[no-any-return]

@@ -39,7 +39,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Unpack
 
 import einops
 import pandas as pd
@@ -47,13 +47,19 @@ import torch
 
 from mechgeom._deprecation import warn_deprecated
 from mechgeom._progress import progress
-from mechgeom.analyses.base import Collector, Result, nothing_collected, run_collector
+from mechgeom.analyses.base import (
+    Collector,
+    PassOptions,
+    Result,
+    entry_point,
+    nothing_collected,
+    run_collector,
+)
 from mechgeom.analyses.budget import contribution_budget
 from mechgeom.analyses.contribution.geometry import INTER_METRICS, INTRA_METRICS, LayerGeometry, compute_dtype
 from mechgeom.analyses.contribution.rows import query_index, row_metrics, top_row_metrics
 from mechgeom.analyses.contribution.stats import SUMMARY_METRICS, result_summary, special_token_frame
 from mechgeom.hooks import (
-    FwdHook,
     LayerActivations,
     Queries,
     TokensOrText,
@@ -887,21 +893,19 @@ def _sole_owner(t: Tensor) -> bool:
     return int(use_count(storage._cdata)) <= 2  # this tensor, and the ``storage`` object just made
 
 
+@entry_point
 def contribution_weights(
     model: Any,
     tokens_or_text: TokensOrText | None,
     *,
     layers: int | Sequence[int] | None = None,
-    cache: Any = None,
-    extra_hooks: Sequence[FwdHook] = (),
-    verbose: bool = False,
     intra: Sequence[str] | None = None,
     inter: Sequence[str] | None = None,
-    attention_mask: Bool[Tensor, "batch pos"] | None = None,
     queries: Queries = None,
     out_dtype: torch.dtype | None = None,
     memory_budget: float | None = None,
     top_k: int | None = None,
+    **run: Unpack[PassOptions],
 ) -> ContributionResult:
     """Contribution weights and baselines of every head of ``layers`` in one forward pass.
 
@@ -910,12 +914,7 @@ def contribution_weights(
         tokens_or_text: text, texts or token ids; with ``cache``, the cached texts (optional: without them
             the result has no token strings and its table no token columns).
         layers: an int or a sequence of ints; ``None`` is every layer.
-        cache: an ``ActivationCache`` holding ``hook_pattern``, ``hook_v`` and ``hook_z`` of ``layers``: the
-            metrics are read from it and nothing is run. A cache taken under a ``hook_z`` patch is marked like a
-            live pass.
-        extra_hooks: ``(hook_name, fn)`` pairs run in the same pass, before mechgeom's readers on the same hook
-            point (e.g. a patching hook).
-        verbose: a progress bar over the layers as they are computed.
+        verbose: a progress bar over the layers as they are computed (all texts run in one pass).
         intra, inter: the metrics kept (default: all of :data:`INTRA_METRICS` and :data:`INTER_METRICS`); each
             costs ``batch * layers * heads * q * k`` floats.
         attention_mask: ``[batch, pos]``, 1 at real tokens. The default is the padding of a list of texts
@@ -951,25 +950,24 @@ def contribution_weights(
         ValueError, TypeError: as :func:`~mechgeom.hooks.select_queries` for a bad ``queries``.
     """
     # Why this function is long: its signature and docstring document every argument (Args, Returns,
-    # Raises); the body itself is 23 lines.
+    # Raises); the body itself is 24 lines.
     col = ContributionCollector(
         model, layers, intra=intra, inter=inter, queries=queries, out_dtype=out_dtype, top_k=top_k
     )
+    cache, attention_mask = run["cache"], run["attention_mask"]
     if cache is not None:
         shape = _cache_shape(cache, col.layers[0])
         kept = None if shape is None else _kept_rows(queries, attention_mask, shape)
         contribution_budget(col, shape, cache=cache, memory_budget=memory_budget, queries=kept)
-        return run_collector(  # type: ignore[no-any-return]
-            model, tokens_or_text, col, cache=cache, extra_hooks=extra_hooks, attention_mask=attention_mask
-        )
+        return run_collector(model, tokens_or_text, col, **run)  # type: ignore[no-any-return]
     if tokens_or_text is None:
         raise ValueError("give text or token ids to analyse, or cache= with the activations of a pass")
     tokens, mask = to_batch(model, tokens_or_text, attention_mask=attention_mask, encoders=True)
     kept = _kept_rows(queries, mask, tokens.shape)
     contribution_budget(col, tokens.shape, memory_budget=memory_budget, queries=kept)
-    bar = _layer_bar(col.layers, verbose)
+    bar = _layer_bar(col.layers, run["verbose"])
     col._after_layer = lambda _layer: next(bar, None)
-    hooks = [*extra_hooks, *col.fwd_hooks]
+    hooks = [*run["extra_hooks"], *col.fwd_hooks]
     try:
         run_hooks(model, tokens, hooks, stop_at_layer=max(col.layers) + 1, attention_mask=mask)
     finally:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Unpack
 
 import einops
 import numpy as np
@@ -30,10 +30,9 @@ import pandas as pd
 import torch
 
 from mechgeom._deprecation import warn_deprecated
-from mechgeom.analyses.base import Collector, Result, run_collector
+from mechgeom.analyses.base import Collector, PassOptions, Result, entry_point, run_collector
 from mechgeom.analyses.heads.taxonomy import TaxonomyCollector, TaxonomyResult
 from mechgeom.hooks import (
-    FwdHook,
     LayerActivations,
     TokensOrText,
     align_texts,
@@ -243,19 +242,17 @@ def _check_positions(
             )
 
 
+@entry_point
 def head_stats(
     model: Any,
     tokens_or_text: TokensOrText | None,
     *,
     layers: int | Sequence[int] | None = None,
-    cache: Any = None,
-    extra_hooks: Sequence[FwdHook] = (),
-    verbose: bool = False,
     start_pos: int = 0,
     batch_size: int = 8,
     taxonomy: bool = True,
     sink_positions: int | Sequence[int] | None = None,
-    attention_mask: Tensor | None = None,
+    **run: Unpack[PassOptions],
 ) -> HeadStats:
     """Reference statistics of every head of ``layers`` over ``tokens`` ``[n_texts, pos]``, one pass per batch.
 
@@ -267,16 +264,11 @@ def head_stats(
         model: a causal decoder.
         tokens_or_text: text, texts or token ids (the cached texts with ``cache``, optional there).
         layers: ``None`` (every layer, what pruning needs), an int or a sequence of ints.
-        cache: an ``ActivationCache`` with ``hook_pattern``, ``hook_v``, ``hook_z`` of ``layers``; nothing runs.
-        extra_hooks: interventions run in the same passes, before the readers.
-        verbose: a progress bar over batches.
-        start_pos: the first position averaged.
+        start_pos: the first position averaged, a position inside each text (padding is never averaged).
         batch_size: texts per forward pass.
         taxonomy: also label every head from the same passes
             (:class:`~mechgeom.analyses.heads.taxonomy.TaxonomyCollector` with ``sink_positions``), kept in
             :attr:`HeadStats.taxonomy`.
-        attention_mask: ``[batch, pos]``, 1 at real tokens, 0 at padding (left or right); by default the
-            padding of a list of texts. Padding is never averaged; ``start_pos`` is a position inside each text.
 
     Returns:
         A :class:`HeadStats`.
@@ -286,33 +278,27 @@ def head_stats(
     col = HeadStatsCollector(
         model, layers, start_pos=start_pos, taxonomy=taxonomy, sink_positions=sink_positions
     )
-    if cache is not None:
+    what = f"head statistics from start_pos={start_pos}"
+    if run["cache"] is not None:
         _check_positions(
-            int(cache[hook_name(col.layers[0], "z")].shape[1]), start_pos, taxonomy, sink_positions
+            int(run["cache"][hook_name(col.layers[0], "z")].shape[1]), start_pos, taxonomy, sink_positions
         )
     elif tokens_or_text is not None:
         tokens, mask = to_batch(
-            model,
-            tokens_or_text,
-            attention_mask=attention_mask,
-            min_pos=start_pos + 1,
-            what=f"head statistics from start_pos={start_pos}",
+            model, tokens_or_text, attention_mask=run["attention_mask"], min_pos=start_pos + 1, what=what
         )
         n_pos = int(tokens.shape[1]) if mask is None else int(mask.sum(-1).max())
         _check_positions(n_pos, start_pos, taxonomy, sink_positions)
-        tokens_or_text, attention_mask = tokens, mask
+        tokens_or_text, run["attention_mask"] = tokens, mask
     return run_collector(  # type: ignore[no-any-return]
         model,
         tokens_or_text,
         col,
-        cache=cache,
-        extra_hooks=extra_hooks,
         batch_size=batch_size,
-        verbose=verbose,
         desc="head stats",
         min_pos=start_pos + 1,
-        what=f"head statistics from start_pos={start_pos}",
-        attention_mask=attention_mask,
+        what=what,
+        **run,
     )
 
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Unpack
 
 import einops
 import numpy as np
@@ -30,9 +30,8 @@ import pandas as pd
 import torch
 
 from mechgeom._deprecation import warn_deprecated
-from mechgeom.analyses.base import Collector, Result, run_collector
+from mechgeom.analyses.base import Collector, PassOptions, Result, entry_point, run_collector
 from mechgeom.hooks import (
-    FwdHook,
     LayerActivations,
     Queries,
     TokensOrText,
@@ -373,20 +372,18 @@ class TaxonomyCollector(Collector):
         )
 
 
+@entry_point
 def classify_heads(
     model: Any,
     tokens_or_text: TokensOrText | None,
     *,
     layers: int | Sequence[int] | None = None,
-    cache: Any = None,
-    extra_hooks: Sequence[FwdHook] = (),
-    verbose: bool = False,
     sink_positions: int | Sequence[int] | None = None,
     batch_size: int = 8,
     keep_winners: bool = False,
     corpus: str = "",
-    attention_mask: Tensor | None = None,
     queries: Queries = None,
+    **run: Unpack[PassOptions],
 ) -> TaxonomyResult:
     """Label every head of ``layers`` Retriever, Mixer or Reset from its source winners.
 
@@ -394,16 +391,11 @@ def classify_heads(
         model: a causal decoder.
         tokens_or_text: text, texts or token ids (the cached texts with ``cache``, optional there).
         layers: an int or a sequence of ints; ``None`` is every layer.
-        cache: an ``ActivationCache`` with ``hook_pattern``, ``hook_v``, ``hook_z`` of ``layers``; nothing runs.
-        extra_hooks: interventions run in the same passes, before mechgeom's readers (e.g. a pattern edit).
-        verbose: a progress bar over batches.
-        sink_positions: the sink set of ``f_sink`` (default the first position).
-        batch_size: texts per forward pass (the counts add up over passes).
+        sink_positions: the sink set of ``f_sink``, positions inside each text (default the first position).
+        batch_size: texts per forward pass (the counts add up over passes; padding is never counted, so they
+            are those of the texts run alone, pooled).
         keep_winners: keep every query's winner (``[text, layer, head, query]``) on the result.
         corpus: a label for the result's table.
-        attention_mask: ``[batch, pos]``, 1 at real tokens, 0 at padding (left or right); by default the
-            padding of a list of texts (the tokenizer's ``padding_side``). Padding is never counted: the counts
-            are those of the texts run alone, pooled; ``sink_positions`` are positions inside each text.
         queries: the queries counted (:func:`mechgeom.hooks.select_queries`: positions inside each text,
             ``-1`` its last token; a slice; a boolean mask); ``None`` counts every real query after the sinks.
 
@@ -419,8 +411,10 @@ def classify_heads(
         queries=queries,
     )
     what = "the taxonomy (a query after the sink)"
-    if cache is None and tokens_or_text is not None:
-        tokens, mask = to_batch(model, tokens_or_text, attention_mask=attention_mask, min_pos=2, what=what)
+    if run["cache"] is None and tokens_or_text is not None:
+        tokens, mask = to_batch(
+            model, tokens_or_text, attention_mask=run["attention_mask"], min_pos=2, what=what
+        )
         longest = int(tokens.shape[1]) if mask is None else int(mask.sum(-1).max())
         sinks = check_sink_positions(sink_positions, tokens.shape[1])
         if max(sinks) + 1 >= longest:
@@ -428,19 +422,9 @@ def classify_heads(
                 f"the taxonomy needs a query after the sink position(s) {list(sinks)}: "
                 f"texts of at most {longest} real positions have none"
             )
-        tokens_or_text, attention_mask = tokens, mask
+        tokens_or_text, run["attention_mask"] = tokens, mask
     return run_collector(  # type: ignore[no-any-return]
-        model,
-        tokens_or_text,
-        col,
-        cache=cache,
-        extra_hooks=extra_hooks,
-        batch_size=batch_size,
-        verbose=verbose,
-        desc="taxonomy",
-        min_pos=2,
-        what=what,
-        attention_mask=attention_mask,
+        model, tokens_or_text, col, batch_size=batch_size, desc="taxonomy", min_pos=2, what=what, **run
     )
 
 

@@ -42,17 +42,16 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from functools import partial
-from typing import Any
+from typing import Any, Unpack
 
 import numpy as np
 import pandas as pd
 
 from mechgeom._deprecation import warn_deprecated
-from mechgeom.analyses.base import run_collector
+from mechgeom.analyses.base import PassOptions, entry_point, run_collector
 from mechgeom.analyses.sinks.encoder import encoder_sink_statistics
 from mechgeom.analyses.sinks.geometry import SinkCollector, SinkResult
-from mechgeom.hooks import FwdHook, Queries, TokensOrText, is_bidirectional
-from mechgeom.typing import Tensor
+from mechgeom.hooks import Queries, TokensOrText, is_bidirectional
 
 __all__ = [
     "sink_statistics",
@@ -62,18 +61,16 @@ __all__ = [
 ]
 
 
+@entry_point
 def sink_statistics(
     model: Any,
     tokens_or_text: TokensOrText | None,
     *,
     layers: int | Sequence[int] | None = None,
-    cache: Any = None,
-    extra_hooks: Sequence[FwdHook] = (),
-    verbose: bool = False,
     sink_positions: int | str | Sequence[int | str] | None = None,
     batch_size: int = 8,
-    attention_mask: Tensor | None = None,
     queries: Queries = None,
+    **run: Unpack[PassOptions],
 ) -> SinkResult:
     """Sink rate, norm ratios, anti-alignment, convexity terms and factor moments of every head of ``layers``.
 
@@ -83,15 +80,9 @@ def sink_statistics(
             :func:`~mechgeom.analyses.sinks.encoder.encoder_sink_statistics`).
         tokens_or_text: text, texts or token ids (the cached texts with ``cache``, optional there).
         layers: an int or a sequence of ints; ``None`` is every layer.
-        cache: an ``ActivationCache`` with ``hook_pattern``, ``hook_v``, ``hook_z`` of ``layers``; nothing runs.
-        extra_hooks: interventions run first in each pass.
-        verbose: a progress bar over batches.
         sink_positions: the sink set, positions inside each text (default its first real token, wherever
             padding put it).
         batch_size: texts per forward pass; the pass stops after the last analysed layer (no unembedding).
-        attention_mask: ``[batch, pos]``, 1 at real tokens, 0 at padding (left or right); by default the
-            padding of a list of texts (the tokenizer's ``padding_side``) or an encoder's ``[PAD]``. Padding is
-            never a query, a source or a sink: each text's statistics equal those of the text run alone.
         queries: the queries kept (:func:`mechgeom.hooks.select_queries`: positions inside each text, ``-1``
             its last token; a slice; a boolean mask); ``None`` keeps every real query. Only the kept queries
             are computed and enter the per-query tensors, the query means and the factor moments.
@@ -99,28 +90,19 @@ def sink_statistics(
     Returns:
         A :class:`~mechgeom.analyses.sinks.geometry.SinkResult`.
     """
-    if cache is None and tokens_or_text is not None and is_bidirectional(model):
-        run = partial(encoder_sink_statistics, layers=layers, sink_positions=sink_positions, verbose=verbose)
-        return run(
+    if run["cache"] is None and tokens_or_text is not None and is_bidirectional(model):
+        encoder = partial(encoder_sink_statistics, layers=layers, sink_positions=sink_positions)
+        return encoder(
             model,
             tokens_or_text,
             batch_size=batch_size,
-            extra_hooks=extra_hooks,
-            attention_mask=attention_mask,
+            extra_hooks=run["extra_hooks"],
+            attention_mask=run["attention_mask"],
+            verbose=run["verbose"],
             queries=queries,
         )
     col = SinkCollector(model, layers, sink_positions=sink_positions, queries=queries)  # type: ignore[arg-type]
-    return run_collector(  # type: ignore[no-any-return]
-        model,
-        tokens_or_text,
-        col,
-        cache=cache,
-        extra_hooks=extra_hooks,
-        batch_size=batch_size,
-        verbose=verbose,
-        desc="sinks",
-        attention_mask=attention_mask,
-    )
+    return run_collector(model, tokens_or_text, col, batch_size=batch_size, desc="sinks", **run)  # type: ignore[no-any-return]
 
 
 def sink_statistics_from_cache(
