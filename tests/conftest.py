@@ -6,12 +6,15 @@ are skipped with that command when it is missing; in CI (``CI=true``) a missing 
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+import io
 import os
 import shutil
 import subprocess
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -23,6 +26,11 @@ except ImportError:
     HookedTransformerConfig = None  # type: ignore[assignment,misc]
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+#: The device the tiny models live on: ``MECHGEOM_TEST_DEVICE`` (default ``"cpu"``), so that
+#: ``MECHGEOM_TEST_DEVICE=cuda pytest tests/unit`` runs the unit tests' analyses on a GPU (``scripts/gpu_check.sh``).
+#: The weights are drawn on the CPU and then moved, so every device gets the same model.
+TEST_DEVICE = os.environ.get("MECHGEOM_TEST_DEVICE", "cpu")
 
 #: TransformerLens 3.x (``HookedTransformer`` exists); tests of its internals are marked ``needs_hooked``.
 HAS_HOOKED = HookedTransformer is not None
@@ -45,6 +53,7 @@ def make_tiny(
     seed: int = 0,
     normalization_type: str | None = "LN",
     attention_dir: str = "causal",
+    device: str | None = None,
 ) -> HookedTransformer:
     """A seeded random decoder; ``n_kv`` < ``n_heads`` makes it GQA; ``b_O`` randomises the output bias;
     ``attention_dir="bidirectional"`` makes it a tiny random encoder (every query sees every key), a
@@ -52,7 +61,9 @@ def make_tiny(
 
     A ``HookedTransformer`` on TransformerLens 3.x, a ``TransformerBridge.boot_native`` model on 4.x (same
     config, same hook names; different random draws, so tests compare with references, not constants).
+    Built on the CPU, then moved to ``device`` (default :data:`TEST_DEVICE`).
     """
+    device = TEST_DEVICE if device is None else device
     cfg_kwargs = dict(
         n_layers=n_layers,
         d_model=d_model,
@@ -74,7 +85,7 @@ def make_tiny(
     if (
         not HAS_HOOKED or attention_dir != "causal"
     ):  # TL 3's HookedTransformer ignores an encoder's padding mask
-        return _make_tiny_bridge(cfg_kwargs, b_O=b_O, seed=seed)
+        return _to_device(_make_tiny_bridge(cfg_kwargs, b_O=b_O, seed=seed), device)
     model = HookedTransformer(HookedTransformerConfig(**cfg_kwargs))
     g = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
@@ -87,7 +98,17 @@ def make_tiny(
             block.attn.W_Q.mul_(4.0)
             block.attn.W_K.mul_(4.0)
     model.eval()
-    return model
+    return _to_device(model, device)
+
+
+def _to_device(model: Any, device: str) -> Any:
+    """``model`` on ``device`` (checked first: one line naming the devices there are)."""
+    from mechgeom.models import check_device
+
+    if check_device(device) == torch.device("cpu"):
+        return model
+    with contextlib.redirect_stdout(io.StringIO()):  # the bridge prints "Moving model to device"
+        return model.to(device)
 
 
 def _make_tiny_bridge(cfg_kwargs: dict, *, b_O: bool, seed: int) -> object:
@@ -126,7 +147,7 @@ def make_hooked_encoder(seed: int = 0) -> object:
         for p in model.parameters():
             p.copy_(torch.randn(p.shape, generator=g) * 0.5)
     model.eval()
-    return model
+    return _to_device(model, TEST_DEVICE)
 
 
 def pooled(

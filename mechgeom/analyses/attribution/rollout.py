@@ -188,7 +188,11 @@ class RolloutCollector(Collector):
                 else real.cpu()
             )
             b, q = pattern.shape[0], pattern.shape[-1]
-            eye = torch.eye(q, dtype=torch.float64 if pattern.dtype == torch.float64 else torch.float32)
+            eye = torch.eye(
+                q,
+                dtype=torch.float64 if pattern.dtype == torch.float64 else torch.float32,
+                device=pattern.device,  # R of layer 0, streamed to on_scores like the later layers' R
+            )
             identity = eye.expand(b, q, q)
         if acts.layer in self.scored:
             r = identity if acts.layer == 0 else self._current

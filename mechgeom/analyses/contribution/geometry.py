@@ -553,16 +553,18 @@ class LayerGeometry:
         """Per query, whether a metric of its row may be NaN (a quantity on the query axis is NaN there, or a
         head is modified there; every query where a quantity on the key axis has a NaN)."""
         Q = self.pattern.shape[-1]
-        rows = torch.zeros(Q, dtype=torch.bool)
+        # gathered on the layer's device and copied to the host once (one sync per layer, not per quantity)
+        rows = torch.zeros(Q, dtype=torch.bool, device=self.pattern.device)
         if self.modified is not None:
-            rows |= self.modified.any(0).any(0).cpu()
+            rows |= self.modified.any(0).any(0)
+        every = torch.zeros((), dtype=torch.bool, device=rows.device)  # a NaN on the key axis: every row
         for quantity in quantities:
             nan = prepared[quantity.name].isnan()
             if quantity.axis == "query":
-                rows |= nan.any(-1).reshape(-1, Q).any(0).cpu()
-            elif bool(nan.any()):
-                rows[:] = True
-        return rows.tolist()
+                rows |= nan.any(-1).reshape(-1, Q).any(0)
+            else:
+                every |= nan.any()
+        return (rows | every).tolist()
 
 
 class _Block:

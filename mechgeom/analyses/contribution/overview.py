@@ -108,11 +108,12 @@ def contribution_overview(
         key_mask, rows = m["key_mask"], m["query_index"]
         totals.add(layer, intra, inter, key_mask, rows)
         if layer not in first:  # text 0 (first batch) for the view
+            # copies on the host (the streamed layer is on the model's device, in recycled buffers)
             first[layer] = {
-                "intra": {k: intra[k][:1].clone() for k in kept},
-                "inter": {k: inter[k][:1].clone() for k in kept},
-                "key_mask": None if key_mask is None else key_mask[:1].clone(),
-                "query_index": None if rows is None else rows[:1].clone(),
+                "intra": {k: intra[k][:1].to("cpu", copy=True) for k in kept},
+                "inter": {k: inter[k][:1].to("cpu", copy=True) for k in kept},
+                "key_mask": None if key_mask is None else key_mask[:1].to("cpu", copy=True),
+                "query_index": None if rows is None else rows[:1].to("cpu", copy=True),
             }
 
     metrics = list(SUMMARY_METRICS)

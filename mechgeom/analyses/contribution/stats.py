@@ -200,7 +200,7 @@ class ScoreTotals:
         """One row per ``(layer, head)``: ``layer, head`` and the means of :data:`HEAD_STATISTICS`."""
         frames = []
         for layer in sorted(self.head_sums):
-            frame = pd.DataFrame({k: v.numpy() for k, v in finish_sums(self.head_sums[layer]).items()})
+            frame = pd.DataFrame({k: v.cpu().numpy() for k, v in finish_sums(self.head_sums[layer]).items()})
             frame.insert(0, "head", range(len(frame)))
             frame.insert(0, "layer", layer)
             frames.append(frame)

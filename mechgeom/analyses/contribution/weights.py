@@ -491,6 +491,11 @@ class ContributionCollector(Collector):
     always safe to keep. ``reuse_buffers=True`` (deprecated: the storage check recycles the same buffers)
     recycles unconditionally, so the callback must copy what it keeps.
 
+    **Devices.** Every metric is computed on the model's device. ``store_device`` says where they are handed
+    over: by default (``None``) a streaming collector's ``on_layer`` payload stays on the model's device (a GPU
+    run streams without a copy to the host per layer; the callback moves what it keeps), and a stored result
+    is built on the CPU, one copy per layer into the result's tensors.
+
     **Precision.** The metrics are computed in float32 for a bfloat16 or float16 model (see "Half precision" in
     :mod:`~mechgeom.analyses.contribution.geometry`) and returned in that dtype, or in ``out_dtype`` when given.
 
@@ -517,7 +522,7 @@ class ContributionCollector(Collector):
         intra: Sequence[str] | None = None,
         inter: Sequence[str] | None = None,
         on_layer: Callable[[int, dict[str, Any]], None] | None = None,
-        store_device: str | torch.device = "cpu",
+        store_device: str | torch.device | None = None,
         reuse_buffers: bool = False,
         queries: Queries = None,
         out_dtype: torch.dtype | None = None,
@@ -546,7 +551,12 @@ class ContributionCollector(Collector):
                 "or leave both out for every metric"
             )
         self.user_on_layer = on_layer
-        self.store_device = torch.device(store_device)
+        #: Where the metrics are handed over; ``None``: the model's device of each layer (streaming only).
+        self.store_device: torch.device | None = (
+            torch.device(store_device)
+            if store_device is not None
+            else (None if on_layer is not None else torch.device("cpu"))
+        )
         #: The dtype of the metrics returned; ``None``: the dtype they are computed in (float32 for a bfloat16 or
         #: float16 model, else the model's own; see "Half precision" in the geometry module).
         self.out_dtype = out_dtype
@@ -587,12 +597,12 @@ class ContributionCollector(Collector):
                         bufs[kind][m] = p.new_empty(shape, dtype=dtype)
                         self._versions.pop((kind, m), None)
             return bufs
-        if acts.pattern.device != self.store_device:
+        if acts.pattern.device != self._dev(acts):
             return {}, {}
         L = len(self.layers)
         store = self._store
         if store is None:  # first layer of a (new) pass: fresh result tensors
-            dev = self.store_device
+            dev = self._dev(acts)
             store = (
                 {m: torch.empty((B, L, H, Q, Q), dtype=dtype, device=dev) for m in self.intra_metrics},
                 {m: torch.empty((B, L, Q, Q), dtype=dtype, device=dev) for m in self.inter_metrics},
@@ -601,6 +611,10 @@ class ContributionCollector(Collector):
             self._intra, self._inter = {}, {}
         li = self.layers.index(acts.layer)
         return ({m: t[:, li] for m, t in store[0].items()}, {m: t[:, li] for m, t in store[1].items()})
+
+    def _dev(self, acts: LayerActivations) -> torch.device:
+        """Where this layer's metrics are handed over: ``store_device``, else the layer's own device."""
+        return self.store_device or acts.pattern.device
 
     def _dtype(self, acts: LayerActivations) -> torch.dtype:
         """The dtype of this layer's metrics: ``out_dtype``, else the dtype they are computed in."""
@@ -634,11 +648,12 @@ class ContributionCollector(Collector):
         if self.user_on_layer is None and acts.layer in self._intra:
             self._finish_pass()  # a layer seen again: a new pass (a batch of collect()) begins
         B, _, Q, _ = acts.pattern.shape
-        self._key_mask = None if acts.key_mask is None else acts.key_mask.to(self.store_device)
+        self._key_mask = None if acts.key_mask is None else acts.key_mask.to(self._dev(acts))
         self._batch, self._n_pos = B, int(acts.pattern.shape[-1])
         keys: tuple[dict[str, Tensor], dict[str, Tensor]] | None = None
         if self.queries is not None or self.top_k is not None:
-            self._query_index = query_index(self._pass_queries(B), acts.key_mask, B, Q)
+            if self._query_index is None or acts.layer == min(self.layers):  # once per pass (on the host)
+                self._query_index = query_index(self._pass_queries(B), acts.key_mask, B, Q)
             intra, inter, modified, share, keys = self._rows(acts, self._query_index)
         else:
             intra, inter, modified, share = self._full_layer(acts)
@@ -671,7 +686,7 @@ class ContributionCollector(Collector):
         """The kept rows ``index`` of the layer (``queries=``), or their ``top_k`` largest sources:
         ``(intra, inter, modified, modified_share, keys)`` on the store device, ``keys`` the ``(intra, inter)``
         key positions of a ``top_k`` collector (else ``None``)."""
-        dtype, dev = self._dtype(acts), self.store_device
+        dtype, dev = self._dtype(acts), self._dev(acts)
         keys = None
         if self.top_k is None:
             intra, inter, modified, share = row_metrics(acts, index, self.intra_metrics, self.inter_metrics)
@@ -713,15 +728,15 @@ class ContributionCollector(Collector):
                 out_inter=out_inter,
                 zeroed=self._zeroed(out_intra, out_inter),
             )
-            dtype = self._dtype(acts)
-            intra = {m: t.to(self.store_device, dtype) for m, t in intra.items()}
-            inter = {m: t.to(self.store_device, dtype) for m, t in inter.items()}
+            dtype, dev = self._dtype(acts), self._dev(acts)
+            intra = {m: t.to(dev, dtype) for m, t in intra.items()}
+            inter = {m: t.to(dev, dtype) for m, t in inter.items()}
             if geo.modified is None:
-                modified = torch.zeros(acts.pattern.shape[:3], dtype=torch.bool, device=self.store_device)
-                share = torch.zeros(acts.pattern.shape[:3], dtype=dtype, device=self.store_device)
+                modified = torch.zeros(acts.pattern.shape[:3], dtype=torch.bool, device=dev)
+                share = torch.zeros(acts.pattern.shape[:3], dtype=dtype, device=dev)
             else:
-                modified = geo.modified.to(self.store_device)
-                share = geo.modified_share.to(self.store_device, dtype)
+                modified = geo.modified.to(dev)
+                share = geo.modified_share.to(dev, dtype)
         return intra, inter, modified, share
 
     def _finish_pass(self) -> None:
