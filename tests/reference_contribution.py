@@ -21,6 +21,7 @@ def brute_force(
     *,
     causal: bool = True,
     real: torch.Tensor | None = None,
+    window: int | None = None,
 ) -> dict[str, torch.Tensor]:
     """Every §A metric of one layer from the materialised ``[q, k, d_model]`` tensors, in float64.
 
@@ -28,7 +29,8 @@ def brute_force(
     Returns ``intra_<name>`` ``[b h q k]``, ``inter_<name>`` ``[b q k]`` and ``o_head`` ``[b q h m]``.
     The inputs may live on any device; the reference is computed on the CPU. ``causal=False`` (an encoder)
     keeps every key as a source; ``real [b pos]`` (an encoder's non-padding
-    tokens) sets every entry of a padded query or key to 0.
+    tokens) sets every entry of a padded query or key to 0. ``window`` (a sliding-window layer's width) sets
+    every entry of a key ``j <= i - window`` to 0: not a source of query ``i``.
     """
     # on the CPU whatever the model's device (MECHGEOM_TEST_DEVICE): the reference is computed in one place
     alpha, v_kv, W_O = (x.detach().cpu().double() for x in (alpha, v_kv, W_O))
@@ -83,6 +85,8 @@ def brute_force(
         for name, t in out.items():
             if name != "o_head":
                 t[..., i, i + 1 :] = 0.0
+                if window is not None:
+                    t[..., i, : max(0, i - window + 1)] = 0.0
     # an encoder's padding is neither a query nor a source
     for b in range(B if real is not None else 0):
         for i in range(Q):

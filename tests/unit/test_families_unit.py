@@ -114,7 +114,10 @@ def test_contribution_matches_the_materialised_reference(family: str) -> None:
     for li, layer in enumerate(res.layers):
         alpha, v, z = (t[:1] for t in acts_of(cache, layer))  # the loop reference on the first text
         W_O = model.W_O[layer]
-        ref = brute_force(alpha, v, W_O)
+        window = (
+            WINDOW if layer in FAMILIES[family].local_layers else None
+        )  # the sources the model lets it see
+        ref = brute_force(alpha, v, W_O, window=window)
         # the materialisation is the model's own: its head outputs are z @ W_O
         torch.testing.assert_close(
             ref["o_head"], torch.einsum("bqhd,hdm->bqhm", z.double(), W_O.double()), atol=1e-5, rtol=1e-5
