@@ -1020,7 +1020,8 @@ def contribution_weights_from_cache(
 
 
 def reconstruct_attn_out(model: Any, acts: LayerActivations) -> Float[Tensor, "batch pos d_model"]:
-    """``sum_h sum_j alpha[h,i,j] vt[j,h] + b_O``: what ``hook_attn_out`` should read."""
+    """``sum_h sum_j alpha[h,i,j] vt[j,h] + b_O + sum_h b_V[h] W_O[h]``: what ``hook_attn_out`` should read
+    (:attr:`~mechgeom.hooks.LayerActivations.bias_out`; the value-bias term is zero where the model has none)."""
     geo = LayerGeometry.from_activations(acts)
     mixed = einops.einsum(geo.pattern.to(geo.dtype), geo.v, "b h q k, b k h d -> b q h d")  # float32 in half
-    return head_outputs(mixed, geo.W_O).sum(dim=2) + acts.b_O
+    return head_outputs(mixed, geo.W_O).sum(dim=2) + acts.bias_out
