@@ -183,7 +183,7 @@ def make_tiny_hf_bridge(arch: str = "qwen2", *, compatibility_mode: bool = True,
                 attn = layer.self_attn
                 attn.v_proj.bias.copy_(torch.randn(attn.v_proj.bias.shape, generator=g))
                 attn.q_proj.weight.mul_(20.0)  # peaky, varied patterns (HF draws N(0, 0.02^2))
-                attn.o_proj.weight.mul_(20.0)
+                attn.v_proj.weight.mul_(20.0)  # values as large as the bias
     hf.eval()
     with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
         warnings.simplefilter("ignore")

@@ -15,9 +15,11 @@ for the offline models). They share hook names, but not everything an analysis r
   ``stop_at_layer=n_layers`` gives the residual stream before the final norm, so chosen positions can be
   unembedded alone (a bridge's gives the logits);
 - **the value bias** ``b_V`` (per query head), which ``hook_v`` includes wherever the model keeps it;
-- **interventions**: whether a zeroed ``hook_pattern`` (or ``hook_v``, ``hook_z``) reaches the output. TransformerLens 3.x's bridges
-  discard ``hook_pattern`` edits (their attention runs in the HF module), as does TransformerLens 4's BERT
-  bridge (it fires the hook after HF's attention has run); one probe pass per model and layer finds out.
+- **interventions**: whether a zeroed ``hook_pattern`` (or ``hook_v``, ``hook_z``) reaches the output.
+  TransformerLens 3.x's ``boot_native`` and BERT bridges discard ``hook_pattern`` edits (their attention runs
+  in the HF module; a 3.x bridge over an eager Qwen2 honours them), as does TransformerLens 4's BERT bridge
+  (it fires the hook after HF's attention has run); one probe pass per model, layer and hook point finds out,
+  and :meth:`ModelAdapter.check_edits` turns a discarded edit into an error naming backend and hook point.
 
 :func:`adapter` gives the one :class:`ModelAdapter` of a model (cached while the model lives). Above this
 layer no module tests a class name, :func:`is_bridge` or the TransformerLens version

@@ -17,7 +17,7 @@ from typing import Any
 import pandas as pd
 import pytest
 import torch
-from conftest import HAS_HOOKED, fold_value_biases, make_tiny, random_tokens
+from conftest import HAS_HOOKED, fold_value_biases, make_tiny, make_tiny_hf_bridge, random_tokens
 from reference_contribution import assert_all_metrics_match, brute_force
 
 from mechgeom.analyses.attribution.rollout import attention_rollout
@@ -55,6 +55,8 @@ MODELS = {  # GQA (2 KV heads for 4 query heads): each KV head's b_V serves a gr
     "hooked": (lambda: make_tiny(seed=3, n_kv=2), True),
     "bridge": (lambda: _bridge(n_kv=2), False),
     "bridge_encoder": (lambda: make_tiny(seed=3, attention_dir="bidirectional"), False),
+    # a bridge around a random Hugging Face Qwen2 (q/k/v biases, b_V drawn N(0, 1)) outside compatibility mode
+    "bridge_hf_qwen2": (lambda: make_tiny_hf_bridge(compatibility_mode=False), False),
 }
 
 
@@ -80,7 +82,9 @@ def pair(request: pytest.FixtureRequest) -> tuple[Any, Any]:
     build, hooked_only = MODELS[request.param]
     if hooked_only and not HAS_HOOKED:
         pytest.skip("HookedTransformer exists on TransformerLens 3.x only")
-    model = _with_random_b_V(build())
+    model = build()
+    if not request.param.startswith("bridge_hf"):  # the Hugging Face model has its random b_V already
+        model = _with_random_b_V(model)
     try:
         folded = fold_value_biases(model)
     except Exception as err:  # pragma: no cover - a line whose bridge cannot fold
@@ -111,11 +115,14 @@ def _assert_same(a: Any, b: Any, where: str = "") -> None:
             )
         else:
             assert torch.equal(a, b), where
-    elif isinstance(a, pd.DataFrame):  # numbers to ATOL of each column's scale (a perplexity is exp(nll))
+    elif isinstance(
+        a, pd.DataFrame
+    ):  # numbers to ATOL of the frame's scale (perplexities and their differences)
         assert list(a.columns) == list(b.columns), where
+        floats = [col for col in a.columns if pd.api.types.is_float_dtype(a[col])]
+        scale = max([1.0, *(float(a[col].abs().max()) for col in floats)])
         for col in a.columns:
-            if pd.api.types.is_float_dtype(a[col]):
-                scale = max(1.0, float(a[col].abs().max()))
+            if col in floats:
                 torch.testing.assert_close(
                     torch.tensor(a[col].to_numpy()), torch.tensor(b[col].to_numpy()),
                     atol=ATOL * scale, rtol=ATOL, equal_nan=True, msg=f"{where}[{col}]",
@@ -235,7 +242,10 @@ def _logits(model: Any, tokens: torch.Tensor, hooks: list) -> torch.Tensor:
 INTERVENTIONS = {
     "head_removal_zero": lambda m, t: head_ablation_hooks(m, [(0, 1), (1, 2)]),
     "head_removal_mean": lambda m, t: head_ablation_hooks(
-        m, [(0, 1)], mode="mean", means=torch.randn(2, 4, 8, generator=torch.Generator().manual_seed(2))
+        m,
+        [(0, 1)],
+        mode="mean",
+        means=torch.randn(2, 4, m.cfg.d_head, generator=torch.Generator().manual_seed(2)),
     ),
     "sink_value_zero": lambda m, t: sink_value_hooks(m, mode="zero"),
     "sink_value_mean_norm": lambda m, t: sink_value_hooks(m, mode="mean_norm", scale=2.0),
