@@ -150,6 +150,101 @@ def make_hooked_encoder(seed: int = 0) -> object:
     return _to_device(model, TEST_DEVICE)
 
 
+def tiny_word_tokenizer(**special: str) -> object:
+    """A word-level tokenizer of ``t0`` ... ``t49`` made in memory (``t0`` padding, ``t3`` unknown), with
+    the given special tokens (e.g. ``bos_token="t1"``)."""
+    import transformers as tr
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = Tokenizer(models.WordLevel(vocab={f"t{i}": i for i in range(50)}, unk_token="t3"))
+    vocab.pre_tokenizer = pre_tokenizers.Whitespace()
+    # name_or_path (and add_bos_token for a decoder): TransformerLens 4 reloads a tokenizer from the hub
+    # unless it has them
+    return tr.PreTrainedTokenizerFast(
+        tokenizer_object=vocab, unk_token="t3", pad_token="t0", name_or_path="tiny-wordlevel", **special
+    )
+
+
+def make_tiny_hf_bridge(arch: str = "qwen2", *, compatibility_mode: bool = True, seed: int = 0) -> object:
+    """A ``TransformerBridge`` around a tiny random Hugging Face model made from its ``transformers`` config
+    (no hub), on both TransformerLens lines: 2 layers, 4 heads, ``d_model`` 16, eager attention, the
+    :func:`tiny_word_tokenizer`.
+
+    ``arch="qwen2"``: a decoder with 2 KV heads of ``d_head`` 4 and q/k/v biases, the value bias drawn
+    ``N(0, 1)`` so that it matters; ``arch="bert"``: ``BertForMaskedLM`` (an encoder with an MLM head; TL 3's
+    bridge takes it for a decoder). ``compatibility_mode`` folds the value biases into ``b_O`` (and folds the
+    norms) as ``load_model`` does; without it ``hook_v`` holds ``x W_V + b_V``.
+    """
+    import contextlib
+    import io
+    import warnings
+
+    import transformers as tr
+    from transformer_lens.model_bridge import TransformerBridge
+
+    sizes = dict(
+        vocab_size=50, hidden_size=16, num_hidden_layers=2, num_attention_heads=4, intermediate_size=32
+    )
+    torch.manual_seed(seed)
+    if arch == "bert":
+        tokenizer = tiny_word_tokenizer(cls_token="t1", sep_token="t2", mask_token="t4")
+        hf = tr.BertForMaskedLM(tr.BertConfig(**sizes, max_position_embeddings=32, pad_token_id=0))
+        hf.config.architectures = ["BertForMaskedLM"]
+    else:
+        tokenizer = tiny_word_tokenizer(bos_token="t1", eos_token="t2", add_bos_token=True)
+        cfg = tr.Qwen2Config(
+            **sizes, num_key_value_heads=2, head_dim=4, max_position_embeddings=32, bos_token_id=1,
+            eos_token_id=2, pad_token_id=0,
+        )  # fmt: skip
+        hf = tr.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager")
+        hf.config.architectures = [type(hf).__name__]  # the bridge picks its adapter from it
+        g = torch.Generator().manual_seed(seed + 1)
+        with torch.no_grad():
+            for layer in hf.model.layers:
+                attn = layer.self_attn
+                attn.v_proj.bias.copy_(torch.randn(attn.v_proj.bias.shape, generator=g))
+                attn.q_proj.weight.mul_(20.0)  # peaky, varied patterns (HF draws N(0, 0.02^2))
+                attn.v_proj.weight.mul_(20.0)  # values as large as the bias
+    hf.eval()
+    with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
+        warnings.simplefilter("ignore")
+        bridge = TransformerBridge.boot_transformers(
+            f"tiny-{arch}", hf_model=hf, tokenizer=tokenizer, dtype=torch.float32
+        )
+        if compatibility_mode:
+            bridge.enable_compatibility_mode(disable_warnings=True)
+    return bridge.eval()
+
+
+def fold_value_biases(model: object) -> object:
+    """A copy of ``model`` with its value biases folded into ``b_O`` (``b_O += sum_h b_V[h] W_O[h]``, ``b_V =
+    0``): the same function, and the reference of docs/definitions.md §1.3 (what mechgeom must give on the
+    unfolded model). TransformerLens folds a ``HookedTransformer`` (``fold_value_biases``) and a bridge
+    (``enable_compatibility_mode(fold_value_biases=True)``, nothing else processed); a ``HookedEncoder``
+    has no such utility and is folded here."""
+    import copy
+    import warnings
+
+    out = copy.deepcopy(model)
+    kind = type(model).__name__
+    if kind == "HookedTransformer":
+        out.load_state_dict(out.fold_value_biases(out.state_dict()))
+    elif kind == "HookedEncoder":
+        with torch.no_grad():
+            for block in out.blocks:
+                attn = block.attn
+                attn.b_O.add_(torch.einsum("hd,hdm->m", attn.b_V, attn.W_O))
+                attn.b_V.zero_()
+    else:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            out.enable_compatibility_mode(
+                disable_warnings=True, fold_ln=False, center_writing_weights=False, center_unembed=False,
+                fold_value_biases=True,
+            )  # fmt: skip
+    return out.eval()
+
+
 def pooled(
     model: object, tokens: torch.Tensor, attention_mask: torch.Tensor, *, fwd_hooks=()
 ) -> torch.Tensor:

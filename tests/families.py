@@ -239,6 +239,10 @@ def _build_hooked(fam: Family, seed: int) -> Any:
                 leaf = name.rsplit(".", 1)[-1]
                 if leaf.lstrip("_").startswith("b_") and leaf not in keep:
                     p.zero_()
+    # as TransformerLens 3.x loads a checkpoint (from_pretrained folds b_V into b_O; compatibility mode does on
+    # 4.x): the references here read hook_v as it is. The unfolded models' convention (docs/definitions.md
+    # §1.3) is tested on every analysis by tests/unit/test_value_bias_unit.py.
+    model.load_state_dict(model.fold_value_biases(model.state_dict()))
     return model.eval()
 
 

@@ -12,6 +12,13 @@ the readers. ``docs/definitions.md`` defines each intervention (§3.1, §4.5, §
 - sink value (sink-norm ablation): :func:`sink_value_hooks` / :func:`ablate_value_hook`;
 - head removal (pruning): :func:`head_ablation_hooks` / :func:`replace_z_hook`.
 
+Each factory asks the backend's adapter whether an edit at its hook point reaches the output
+(:meth:`~mechgeom.models.adapter.ModelAdapter.check_edits`, one probe per layer and hook point) and raises a
+``RuntimeError`` naming the backend and the hook point where it would not: no intervention does nothing
+silently. Where the model keeps a value bias ``b_V`` in ``hook_v`` (``docs/definitions.md`` §1.3), the
+interventions act on ``v - b_V`` and ``z - b_V`` and keep ``b_V W_O`` with ``b_O``, so they do the same on a
+model loaded with or without its value biases folded.
+
 >>> removal_interval(0.5, "comprehensiveness", 4)[1].tolist()
 [1, 1, 2, 2]
 """
@@ -31,6 +38,7 @@ from mechgeom.hooks.masks import masked_mean, resolve_sinks, sink_mask
 from mechgeom.hooks.readers import FwdHook, current_pass_mask, hook_name
 from mechgeom.hooks.validation import resolve_heads, resolve_layers, text_positions
 from mechgeom.maths import rank_dtype, stable_ranks
+from mechgeom.models.adapter import adapter
 from mechgeom.typing import Bool, Float, Int, Pattern, SourceRanks, Tensor, Z
 
 __all__ = [
@@ -59,6 +67,7 @@ __all__ = [
     "set_sink_mass_hook",
     "sink_mass_hooks",
     "sink_value_hooks",
+    "value_bias_keepers",
 ]
 
 
@@ -334,7 +343,33 @@ def masking_hooks(
     query removes nothing.
 
     Removal sets ``alpha[h,i,j] = 0`` without renormalising. The pairs compose with any other hooks.
+    Where the model keeps a value bias, :func:`value_bias_keepers` follow the edits, so the masked output
+    is ``sum_j alpha' vt_j + b_O + b_V W_O`` as on the model with its value biases folded.
+
+    Raises:
+        RuntimeError: the backend discards ``hook_pattern`` edits (TransformerLens 3.x's bridges, 4.x's
+            BERT bridge), naming it and the hook point.
     """
+    hooks = _masking_edits(
+        model, mask=mask, ranking=ranking, rate=rate, mode=mode, layers=layers, n_sources=n_sources
+    )
+    edited = sorted({int(name.split(".")[1]) for name, _ in hooks})
+    adapter(model).check_edits(edited, "hook_pattern", "source masking")
+    before, after = value_bias_keepers(model, edited)
+    return [*before, *hooks, *after]
+
+
+def _masking_edits(
+    model: Any,
+    *,
+    mask: Tensor | dict[int, Tensor] | None,
+    ranking: Any,
+    rate: float | None,
+    mode: str,
+    layers: int | Sequence[int] | None,
+    n_sources: Tensor | None,
+) -> list[FwdHook]:
+    """The ``hook_pattern`` edits of :func:`masking_hooks` (same arguments), validated."""
     if (mask is None) == (ranking is None):
         raise ValueError("give exactly one of mask= (explicit boolean mask) or ranking= (with rate and mode)")
     hooks: list[FwdHook] = []
@@ -373,6 +408,66 @@ def masking_hooks(
         fn = partial(ranked_mask_hook, ranks=ranks, lo=lo, hi=hi)
         hooks.append((hook_name(layer, "pattern"), fn))
     return hooks
+
+
+class _ValueBiasKeeper:
+    """Around an edit of ``blocks.{l}.attn.hook_pattern`` that does not renormalise: reads each row's mass
+    before and after the edit and adds the removed share of the value bias, ``(sum_j alpha[h,i,j] − sum_j
+    alpha'[h,i,j]) b_V[h]``, to ``hook_z``. The head outputs are then ``sum_j alpha' (v_j − b_V) + b_V``:
+    the value bias stays outside ``o[i,h]`` (``docs/definitions.md`` §1.3). A row the edit leaves as it is
+    gets exactly zero added."""
+
+    def __init__(self, b_V: Float[Tensor, "head_index d_head"]) -> None:
+        self.b_V = b_V
+        self.mass: Tensor | None = None
+        self.removed: Tensor | None = None
+
+    def before(self, pattern: Pattern, hook: HookPoint) -> None:
+        # pattern: [batch head_index query_pos key_pos] -> mass [batch head_index query_pos]
+        self.mass = pattern.detach().sum(-1)
+
+    def after(self, pattern: Pattern, hook: HookPoint) -> None:
+        if self.mass is None:
+            raise RuntimeError(
+                f"{getattr(hook, 'name', 'hook_pattern')}: the mass before the edit was not read"
+            )
+        removed = self.mass - pattern.detach().sum(-1)  # [batch head_index query_pos]
+        self.mass, self.removed = None, removed.transpose(1, 2)[..., None]  # [batch query_pos head_index 1]
+
+    def add(self, z: Z, hook: HookPoint) -> Z:
+        # z: [batch query_pos head_index d_head]
+        if self.removed is None:
+            raise RuntimeError(f"{getattr(hook, 'name', 'hook_z')} fired before its layer's hook_pattern")
+        removed, self.removed = self.removed, None
+        return z + (removed.float() * self.b_V.to(z.device, torch.float32)).to(z.dtype)
+
+
+def value_bias_keepers(model: Any, layers: Iterable[int]) -> tuple[list[FwdHook], list[FwdHook]]:
+    """Hooks that keep a value bias whole through pattern edits (none where the model has no ``b_V``).
+
+    A ``hook_pattern`` edit that does not renormalise (source masking) scales the value bias of a model that
+    keeps ``b_V`` in ``hook_v`` by the row's remaining mass; on the same model loaded with its value biases
+    folded into ``b_O`` the bias stays whole. These hooks give the unfolded model the folded model's output.
+
+    Args:
+        model: the model the edits run on.
+        layers: the layers whose ``hook_pattern`` is edited.
+
+    Returns:
+        ``(before, after)``: put ``before`` (a reader on ``hook_pattern`` per layer) before the pattern edits
+        and ``after`` (a reader on ``hook_pattern`` and an adder on ``hook_z`` per layer) after them and
+        before any reader. Both empty for a model without a value bias.
+    """
+    before: list[FwdHook] = []
+    after: list[FwdHook] = []
+    for layer in layers:
+        b_V = adapter(model).value_bias(int(layer))
+        if b_V is None:
+            continue
+        keeper = _ValueBiasKeeper(b_V.float())
+        before.append((hook_name(int(layer), "pattern"), keeper.before))
+        after += [(hook_name(int(layer), "pattern"), keeper.after), (hook_name(int(layer), "z"), keeper.add)]
+    return before, after
 
 
 # --------------------------------------------------------------------------- sink mass (hook_pattern)
@@ -424,7 +519,8 @@ def sink_mass_hooks(
     other sources to ``1 - s``: ``alpha'[i,s'] = s·alpha[i,s']/sum_S alpha`` on the sink set,
     ``alpha'[i,j] = (1-s)·alpha[i,j]/sum_{∉S} alpha`` elsewhere. Then ``o'[i,h] = s vt_S[i] + (1-s) m[i]``,
     the convexity curve. Rows with a zero sink or non-sink mass and queries outside ``Q`` are left as
-    they are. Only the chosen layers (default all) and heads (default all) change.
+    they are. Only the chosen layers (default all) and heads (default all) change. The rows keep summing
+    to 1, so a value bias stays ``b_V W_O``.
 
     **Padding.** ``sink_positions`` and ``Q`` are positions inside each text (``0`` = its first real token),
     placed per text from the mask of the pass: :func:`~mechgeom.hooks.run_hooks` ``(..., attention_mask=)``
@@ -443,13 +539,16 @@ def sink_mass_hooks(
 
     Raises:
         ValueError: ``s`` outside ``[0, 1]``; a bad sink set (:func:`~mechgeom.hooks.resolve_sinks`).
+        RuntimeError: the backend discards ``hook_pattern`` edits, naming it and the hook point.
     """
     if not 0.0 <= float(s) <= 1.0:
         raise ValueError(f"sink mass s must lie in [0, 1], got {s}")
     fn = partial(
         set_sink_mass_hook, s=float(s), heads=resolve_heads(model, heads), sinks=resolve_sinks(sink_positions)
     )
-    return [(hook_name(layer, "pattern"), fn) for layer in resolve_layers(model, layers)]
+    chosen = resolve_layers(model, layers)
+    adapter(model).check_edits(chosen, "hook_pattern", "setting the sink mass")
+    return [(hook_name(layer, "pattern"), fn) for layer in chosen]
 
 
 # --------------------------------------------------------------------------- sink value (hook_v)
@@ -503,12 +602,22 @@ def ablate_value_hook(
     mode: str,
     scale: float,
     key_mask: Bool[Tensor, "batch pos"] | None = None,
+    b_V: Float[Tensor, "head_index d_head"] | None = None,
 ) -> Float[Tensor, "batch pos kv_head d_head"]:
     # v: [batch pos kv_head d_head] (not GQA-expanded). Ablate v[b, p, kv] for p in positions[b].
     # key_mask [batch pos]: the real tokens; a pad is never a reference of "mean_norm" nor ablated.
+    # b_V [head_index d_head] (per query head): the ablation acts on v - b_V, the bias is kept (§1.3).
     if mode == "unchanged":
         return v
     batch, pos, n_kv, _ = v.shape
+    if b_V is not None:
+        if b_V.shape[0] % n_kv:
+            raise ValueError(f"b_V has {b_V.shape[0]} heads, not a multiple of hook_v's {n_kv} KV heads")
+        bias = b_V[:: b_V.shape[0] // n_kv].to(v.device, v.dtype)  # [kv_head d_head]
+        kw = dict(
+            kv_heads=kv_heads, positions=positions, sinks=sinks, mode=mode, scale=scale, key_mask=key_mask
+        )
+        return ablate_value_hook(v - bias, hook, **kw) + bias  # type: ignore[arg-type]
     if max(kv_heads) >= n_kv:
         raise IndexError(f"KV head {max(kv_heads)} out of range for hook_v with {n_kv} KV heads")
     target = _positions_mask(positions.to(v.device), batch, pos)  # [b pos]
@@ -562,6 +671,12 @@ def sink_value_hooks(
 
     ``key_mask`` (``[batch, pos]`` bools, True at real tokens; the batch must match) marks a padded batch's
     pads: a pad is never ablated and never part of the ``"mean_norm"`` reference.
+
+    Where the model keeps a value bias in ``hook_v``, the modes act on ``v - b_V`` (``"zero"`` leaves
+    ``v = b_V``), as on the model with its value biases folded (``docs/definitions.md`` §1.3).
+
+    Raises:
+        RuntimeError: the backend discards ``hook_v`` edits, naming it and the hook point.
     """
     if mode not in VALUE_ABLATION_MODES:
         raise ValueError(f"unknown ablation mode {mode!r}; choose from {list(VALUE_ABLATION_MODES)}")
@@ -578,7 +693,10 @@ def sink_value_hooks(
         scale=float(scale),
         key_mask=key_mask,
     )
-    return [(hook_name(layer, "v"), fn) for layer in resolve_layers(model, layers)]
+    chosen = resolve_layers(model, layers)
+    adapter(model).check_edits(chosen, "hook_v", "sink-value ablation")
+    backend = adapter(model)
+    return [(hook_name(la, "v"), partial(fn, b_V=backend.value_bias(la))) for la in chosen]
 
 
 # --------------------------------------------------------------------------- head removal (hook_z)
@@ -638,8 +756,11 @@ def head_ablation_hooks(
 
     ``mode="zero"`` sets ``z[:, :, h] = 0``; ``mode="mean"`` sets it to ``means[l, h]`` at every position
     (``means`` is a :class:`HeadStats` or its ``z_mean`` tensor, see :func:`head_stats` for which positions
-    are averaged). An empty set gives no hooks. Raises ``IndexError``/``ValueError`` as
-    :func:`resolve_head_set`, and ``ValueError`` for a bad mode or missing/misshapen means.
+    are averaged). An empty set gives no hooks. Where the model keeps a value bias, ``z - b_V`` is what is
+    removed: ``"zero"`` sets ``z = b_V``, ``"mean"`` sets it to ``means + b_V`` (``head_stats`` reads
+    ``z - b_V``), as on the model loaded with its value biases folded (``docs/definitions.md`` §1.3).
+    Raises ``IndexError``/``ValueError`` as :func:`resolve_head_set`, ``ValueError`` for a bad mode or
+    missing/misshapen means, and ``RuntimeError`` where the backend discards ``hook_z`` edits.
     """
     by_layer = resolve_head_set(model, heads)
     if mode not in ("zero", "mean"):
@@ -654,8 +775,14 @@ def head_ablation_hooks(
             raise ValueError(
                 f"means must have shape [layer, head, d_head] = {expected}, got {tuple(z_mean.shape)}"
             )
+    backend = adapter(model)
+    backend.check_edits(list(by_layer), "hook_z", "head removal")
     hooks: list[FwdHook] = []
     for layer, hs in by_layer.items():
         fill = None if z_mean is None else z_mean[layer, hs].detach().clone()
+        b_V = backend.value_bias(layer)
+        if b_V is not None:  # z - b_V is removed (or set to its mean); b_V W_O stays with b_O (§1.3)
+            bias = b_V[hs].to(torch.float32)
+            fill = bias if fill is None else fill.to(bias.device, torch.float32) + bias
         hooks.append((hook_name(layer, "z"), partial(replace_z_hook, heads=list(hs), fill=fill)))
     return hooks

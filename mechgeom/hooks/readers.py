@@ -179,6 +179,12 @@ def head_outputs(z: Z, W_O: WO) -> HeadOut:
 class LayerActivations:
     """One layer's attention activations, as seen by the hooks (``v`` already GQA-expanded).
 
+    ``v`` and ``z`` are read without the value bias (``docs/definitions.md`` §1.3): where the model keeps a
+    value bias ``b_V`` in ``hook_v``, the collector subtracts it from ``hook_v`` and from ``hook_z``, so
+    ``vt = v @ W_O = x W_V W_O`` whether or not the model was loaded with its value biases folded; ``b_V``
+    holds that bias (per query head; ``None`` where the model has none) and :attr:`bias_out` is the
+    layer's constant output ``b_O + sum_h b_V[h] W_O[h]``.
+
     ``modified[b, h, i]`` is ``True`` where ``z`` is not ``sum_j alpha v_j`` (an earlier hook changed it, see
     :func:`modified_mask`); ``None`` means "not checked" (treated as unmodified). ``causal`` is ``False`` for an
     encoder, whose queries see every key; ``key_mask[b, j]`` is then ``False`` at padding (a key no query of
@@ -196,6 +202,18 @@ class LayerActivations:
     causal: bool = True
     key_mask: Bool[Tensor, "batch key_pos"] | None = None
     window: int | None = None
+    b_V: Float[Tensor, "head_index d_head"] | None = None
+
+    @property
+    def bias_out(self) -> Float[Tensor, " d_model"]:
+        """What ``hook_attn_out`` adds to ``sum_h o[i,h]``: ``b_O``, plus ``sum_h b_V[h] W_O[h]`` where the
+        model keeps a value bias (exact because every pattern row sums to 1)."""
+        if self.b_V is None:
+            return self.b_O
+        W_O = self.W_O
+        return self.b_O + einops.einsum(
+            self.b_V.to(W_O.dtype), W_O, "head d_head, head d_head d_model -> d_model"
+        )
 
     @property
     def any_modified(self) -> bool:
@@ -384,13 +402,16 @@ class LayerCollector:
             self._warn_if_read_before_a_change(hook, layer, kind)
         if len(slot) == 3:
             del self._pending[layer]
-            v = expand_kv(slot["v"], int(self.model.cfg.n_heads))
+            v, z = expand_kv(slot["v"], int(self.model.cfg.n_heads)), slot["z"]
+            b_V = adapter(self.model).value_bias(layer)
+            if b_V is not None:  # docs/definitions.md §1.3: vt = x W_V W_O; b_V W_O goes with b_O
+                v, z = v - b_V.to(v.device, v.dtype), z - b_V.to(z.device, z.dtype)
             if all(self._alone.pop(layer).values()):  # no other hook there: z is alpha @ v as computed
                 modified = torch.zeros(slot["pattern"].shape[:3], dtype=torch.bool, device=v.device)
             else:
                 with torch.no_grad():
                     modified = modified_mask(
-                        slot["pattern"], v, slot["z"], rtol=self.modified_rtol, causal=self.causal
+                        slot["pattern"], v, z, rtol=self.modified_rtol, causal=self.causal
                     )
                     if self.causal:  # weight after the query: not a source the metrics count
                         modified |= future_weight(slot["pattern"])
@@ -398,13 +419,14 @@ class LayerCollector:
                 layer=layer,
                 pattern=slot["pattern"],
                 v=v,
-                z=slot["z"],
+                z=z,
                 W_O=layer_W_O(self.model, layer).detach(),
                 b_O=layer_b_O(self.model, layer).detach(),
                 modified=modified,
                 causal=self.causal,
                 key_mask=self._key_mask(slot["pattern"]),
                 window=adapter(self.model).attention_window(layer) if self.causal else None,
+                b_V=b_V,
             )
             if self.on_layer is None:
                 self.captured[layer] = acts

@@ -15,9 +15,12 @@ for the offline models). They share hook names, but not everything an analysis r
 - **unembedding**: ``W_U``, ``b_U``, the final norm and the logit soft cap; a ``HookedTransformer``'s
   ``stop_at_layer=n_layers`` gives the residual stream before the final norm, so chosen positions can be
   unembedded alone (a bridge's gives the logits);
-- **interventions**: whether a zeroed ``hook_pattern`` reaches the output. TransformerLens 3.x's bridges
-  discard ``hook_pattern`` edits (their attention runs in the HF module), as does TransformerLens 4's BERT
-  bridge (it fires the hook after HF's attention has run); one probe pass per model and layer finds out.
+- **the value bias** ``b_V`` (per query head), which ``hook_v`` includes wherever the model keeps it;
+- **interventions**: whether a zeroed ``hook_pattern`` (or ``hook_v``, ``hook_z``) reaches the output.
+  TransformerLens 3.x's ``boot_native`` and BERT bridges discard ``hook_pattern`` edits (their attention runs
+  in the HF module; a 3.x bridge over an eager Qwen2 honours them), as does TransformerLens 4's BERT bridge
+  (it fires the hook after HF's attention has run); one probe pass per model, layer and hook point finds out,
+  and :meth:`ModelAdapter.check_edits` turns a discarded edit into an error naming backend and hook point.
 
 :func:`adapter` gives the one :class:`ModelAdapter` of a model (cached while the model lives). Above this
 layer no module tests a class name, :func:`is_bridge` or the TransformerLens version
@@ -105,6 +108,8 @@ class ModelAdapter:
         #: (``TransformerBridge``) or ``"other"``.
         self.kind: BackendKind = _kind(model)
         self._pattern_edits: dict[int, bool] = {}
+        self._other_edits: dict[tuple[str, int], bool] = {}
+        self._value_bias_nonzero: dict[int, tuple[tuple[Any, ...], bool]] = {}
 
     @property
     def model(self) -> Any:
@@ -308,6 +313,36 @@ class ModelAdapter:
 
     # ------------------------------------------------------------------ interventions
 
+    def value_bias(self, layer: int) -> Float[Tensor, "head_index d_head"] | None:
+        """The value bias ``b_V`` of ``layer``, one row per query head (GQA: each KV head's bias repeated
+        over its group), detached; ``None`` where the attention has none or it is zero (folded). Whether it is
+        zero is looked at once per layer and weight version (a host read only when the weights change).
+
+        ``hook_v`` holds ``x W_V + b_V`` on every backend that has ``b_V`` (``blocks.{l}.attn.b_V``: a
+        ``HookedTransformer`` stores it per query head, a bridge per KV head); a model whose value biases
+        were folded into ``b_O`` holds zeros here. ``docs/definitions.md`` §1.3: the analyses read
+        ``v - b_V`` and ``z - b_V`` and count ``b_V W_O`` with ``b_O``.
+        """
+        attn = self.model.blocks[layer].attn
+        bias = getattr(attn, "b_V", None)
+        if not isinstance(bias, Tensor):
+            return None
+        stamp = (bias.data_ptr(), bias._version, bias.device)
+        known = self._value_bias_nonzero.get(layer)
+        if known is None or known[0] != stamp:
+            known = (stamp, bool(bias.detach().any()))
+            self._value_bias_nonzero[layer] = known
+        if not known[1]:
+            return None
+        bias = bias.detach()
+        n_heads = int(self.model.cfg.n_heads)
+        if bias.ndim != 2 or n_heads % bias.shape[0]:
+            raise ValueError(
+                f"blocks.{layer}.attn.b_V has shape {tuple(bias.shape)}; expected [head_index or kv_head, d_head] "
+                f"with {n_heads} heads a multiple of its rows"
+            )
+        return bias.repeat_interleave(n_heads // bias.shape[0], dim=0) if bias.shape[0] != n_heads else bias
+
     def _b_O(self, layer: int) -> Float[Tensor, " d_model"]:
         bias = getattr(self.model.blocks[layer].attn, "b_O", None)
         if isinstance(bias, Tensor):
@@ -349,6 +384,50 @@ class ModelAdapter:
         b_O = self._b_O(layer).to(seen["out"].device)
         return float((seen["out"] - b_O).abs().max()) <= 1e-4 * (1 + float(b_O.abs().max()))
 
+    def edits_take_effect(self, layer: int, point: str = "hook_pattern") -> bool:
+        """Whether an edit at ``blocks.{layer}.attn.{point}`` changes the model's computation: zeroing
+        ``hook_pattern``, ``hook_v`` or ``hook_z`` there must change the logits of :meth:`probe_tokens`
+        (beyond ``1e-6`` of their scale; a discarded edit leaves them bit for bit). The output is the test
+        because where a backend fires ``hook_attn_out`` differs (a BERT bridge's reads after the residual
+        and LayerNorm). Probed once per layer and hook point and cached.
+
+        Raises:
+            ValueError: ``point`` is not ``"hook_pattern"``, ``"hook_v"`` or ``"hook_z"``.
+        """
+        if point not in ("hook_pattern", "hook_v", "hook_z"):
+            raise ValueError(f"point must be 'hook_pattern', 'hook_v' or 'hook_z', got {point!r}")
+        key = (point, layer)
+        if key not in self._other_edits:
+            model, toks = self.model, self.probe_tokens()
+            kwargs = self.forward_kwargs(return_type="logits")
+            outs = []
+            with warnings.catch_warnings(), torch.no_grad():
+                warnings.simplefilter("ignore", UserWarning)  # the backend's notes on discarded edits
+                for hooks in ([], [(f"blocks.{layer}.attn.{point}", _zero)]):
+                    with model.hooks(fwd_hooks=hooks, reset_hooks_end=True):
+                        outs.append(model(toks, **kwargs).detach().float())
+            scale = 1.0 + float(outs[0].abs().max())
+            self._other_edits[key] = float((outs[1] - outs[0]).abs().max()) > 1e-6 * scale
+        return self._other_edits[key]
+
+    def check_edits(self, layers: Sequence[int], point: str, what: str) -> None:
+        """Raise :meth:`ignored_edits_error` at the first of ``layers`` where an edit at ``point`` would not
+        change the output (:meth:`edits_take_effect`): an intervention never does nothing silently.
+
+        Args:
+            layers: the layers the intervention edits.
+            point: ``"hook_pattern"``, ``"hook_v"`` or ``"hook_z"``.
+            what: the intervention, for the message (e.g. ``"source masking"``).
+
+        Raises:
+            RuntimeError: the backend discards the edit, naming the backend and the hook point.
+        """
+        for layer in layers:
+            if not self.edits_take_effect(int(layer), point):
+                raise self.ignored_edits_error(
+                    int(layer), (point,), what, probe="zeroing it leaves the logits"
+                )
+
     def pattern_edits_take_effect(self, layer: int, *, tokens: Tokens | None = None) -> bool:
         """Whether an edit at ``blocks.{layer}.attn.hook_pattern`` reaches the output (a zeroed pattern
         leaves ``hook_attn_out = b_O``; :meth:`edits_reach_output`). True for ``HookedTransformer``,
@@ -359,7 +438,11 @@ class ModelAdapter:
         return self._pattern_edits[layer]
 
     def ignored_edits_error(
-        self, layer: int, hook_points: Sequence[str] = ("hook_pattern",), what: str = "this intervention"
+        self,
+        layer: int,
+        hook_points: Sequence[str] = ("hook_pattern",),
+        what: str = "this intervention",
+        probe: str = "removing every source leaves hook_attn_out",
     ) -> RuntimeError:
         """The error for edits this backend discards, naming the backend and the hook points, e.g.
         ``"... ignores edits to blocks.0.attn.hook_pattern and hook_z (...), so source masking would change
@@ -371,7 +454,7 @@ class ModelAdapter:
             else "mechgeom cannot intervene there on this backend"
         )
         return RuntimeError(
-            f"{self.name} ignores edits to {points} (removing every source leaves hook_attn_out unchanged), "
+            f"{self.name} ignores edits to {points} ({probe} unchanged), "
             f"so {what} would change nothing; {instead}"
         )
 

@@ -17,7 +17,7 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
-from conftest import HAS_HOOKED, make_hooked_encoder, make_tiny, pooled, random_tokens
+from conftest import HAS_HOOKED, fold_value_biases, make_hooked_encoder, make_tiny, pooled, random_tokens
 
 from mechgeom.analyses.contribution.weights import contribution_weights
 from mechgeom.analyses.faithfulness import embedding as ef
@@ -111,7 +111,8 @@ def brute_effects(model, tokens, mask, metric, scope, rate, mode, layers, seed=0
 
     hooks = [(hook_name(la, "pattern"), partial(_zero_where, m=masks[la])) for la in layers]
     clean = pooled(model, tokens, mask)
-    masked = pooled(model, tokens, mask, fwd_hooks=hooks)
+    # masking keeps the value bias whole (docs/definitions.md §1.3): the bare edit on the folded model
+    masked = pooled(fold_value_biases(model), tokens, mask, fwd_hooks=hooks)
     cos = torch.nn.functional.cosine_similarity(masked.double(), clean.double(), dim=-1)
     return (1 - cos).numpy()
 

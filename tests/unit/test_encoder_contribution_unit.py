@@ -245,6 +245,7 @@ def test_hooked_encoder_matches_reference_with_a_padding_mask() -> None:
     real = mask.bool()
     for li, layer in enumerate(res.layers):
         alpha, v, _ = acts_of(cache, layer)
+        v = v - model.blocks[layer].attn.b_V  # vt = x W_V W_O, without the value bias (definitions §1.3)
         ref = brute_force(alpha, v, model.W_O[layer], causal=False, real=real)
         assert_all_metrics_match(
             {k: t[:, li] for k, t in res.intra.items()}, {k: t[:, li] for k, t in res.inter.items()}, ref

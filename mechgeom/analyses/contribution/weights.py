@@ -1034,8 +1034,10 @@ def contribution_weights_from_cache(
 
 
 def reconstruct_attn_out(model: Any, acts: LayerActivations) -> Float[Tensor, "batch pos d_model"]:
-    """What ``hook_attn_out`` should read: ``sum_h sum_j alpha[h,i,j] vt[j,h] + b_O``, through the model's
-    post-attention norm where it has one (Gemma-2 and -3, :meth:`~mechgeom.models.adapter.ModelAdapter.attn_out_norm`).
+    """What ``hook_attn_out`` should read: ``sum_h sum_j alpha[h,i,j] vt[j,h] + b_O + sum_h b_V[h] W_O[h]``
+    (:attr:`~mechgeom.hooks.LayerActivations.bias_out`; the value-bias term is zero where the model has none),
+    through the model's post-attention norm where it has one (Gemma-2 and -3,
+    :meth:`~mechgeom.models.adapter.ModelAdapter.attn_out_norm`).
 
     Args:
         model: the model the activations were read from.
@@ -1046,7 +1048,7 @@ def reconstruct_attn_out(model: Any, acts: LayerActivations) -> Float[Tensor, "b
     """
     geo = LayerGeometry.from_activations(acts)
     mixed = einops.einsum(geo.pattern.to(geo.dtype), geo.v, "b h q k, b k h d -> b q h d")  # float32 in half
-    out = head_outputs(mixed, geo.W_O).sum(dim=2) + acts.b_O
+    out = head_outputs(mixed, geo.W_O).sum(dim=2) + acts.bias_out
     norm = adapter(model).attn_out_norm(acts.layer)
     if norm is None:
         return out

@@ -291,8 +291,8 @@ def _check_mask(model: Any, tokens: Tokens, attention_mask: Tensor | None) -> Bo
 class _ZSideMask:
     """Source masking at ``hook_z`` for a model whose forward discards ``hook_pattern`` edits (TransformerLens
     4's BERT bridge fires ``hook_pattern`` after the HF attention has run; 3.x bridges ignore the edit):
-    ``z[i,h] − sum_j alpha[h,i,j] M[h,i,j] v[j,h]``, the same output as ``alpha = 0`` where ``M`` (no
-    renormalisation), with ``alpha = softmax(q·k / attn_scale)`` over the real keys recomputed from
+    ``z[i,h] − sum_j alpha[h,i,j] M[h,i,j] (v[j,h] − b_V[h])``, the same output as ``alpha = 0`` where ``M``
+    (no renormalisation, the value bias kept whole as in :func:`~mechgeom.hooks.masking_hooks`), with ``alpha = softmax(q·k / attn_scale)`` over the real keys recomputed from
     ``hook_q``/``hook_k`` of the same pass and checked against the pattern the model reports (else
     ``RuntimeError``)."""
 
@@ -301,6 +301,7 @@ class _ZSideMask:
         scale = float(getattr(model.cfg, "attn_scale", -1.0) or -1.0)
         self.scale = scale if scale > 0 else float(model.cfg.d_head) ** 0.5
         self.n_heads = int(model.cfg.n_heads)
+        self.b_V = adapter(model).value_bias(layer)  # removed sources take v - b_V away (§1.3)
         self.acts: dict[str, Tensor] = {}
         self.checked = 0
 
@@ -325,6 +326,8 @@ class _ZSideMask:
     def _edit_z(self, z: Z, hook: Any) -> Z:
         q, k = self.acts.pop("q"), expand_kv(self.acts.pop("k"), self.n_heads)
         v = expand_kv(self.acts.pop("v"), self.n_heads)
+        if self.b_V is not None:
+            v = v - self.b_V.to(v.device, v.dtype)
         scores = torch.einsum("bihd,bjhd->bhij", q, k) / self.scale
         alpha = scores.masked_fill(~self.key_mask[:, None, None, :], -torch.inf).softmax(-1)
         self.acts["alpha"] = alpha
