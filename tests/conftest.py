@@ -175,12 +175,7 @@ def make_tiny_hf_bridge(arch: str = "qwen2", *, compatibility_mode: bool = True,
     bridge takes it for a decoder). ``compatibility_mode`` folds the value biases into ``b_O`` (and folds the
     norms) as ``load_model`` does; without it ``hook_v`` holds ``x W_V + b_V``.
     """
-    import contextlib
-    import io
-    import warnings
-
     import transformers as tr
-    from transformer_lens.model_bridge import TransformerBridge
 
     sizes = dict(
         vocab_size=50, hidden_size=16, num_hidden_layers=2, num_attention_heads=4, intermediate_size=32
@@ -205,14 +200,33 @@ def make_tiny_hf_bridge(arch: str = "qwen2", *, compatibility_mode: bool = True,
                 attn.v_proj.bias.copy_(torch.randn(attn.v_proj.bias.shape, generator=g))
                 attn.q_proj.weight.mul_(20.0)  # peaky, varied patterns (HF draws N(0, 0.02^2))
                 attn.v_proj.weight.mul_(20.0)  # values as large as the bias
-    hf.eval()
-    with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
-        warnings.simplefilter("ignore")
-        bridge = TransformerBridge.boot_transformers(
-            f"tiny-{arch}", hf_model=hf, tokenizer=tokenizer, dtype=torch.float32
-        )
-        if compatibility_mode:
-            bridge.enable_compatibility_mode(disable_warnings=True)
+    return boot_hf_bridge(hf.eval(), tokenizer, f"tiny-{arch}", compatibility_mode=compatibility_mode)
+
+
+def boot_hf_bridge(hf: object, tokenizer: object, name: str, *, compatibility_mode: bool = True) -> object:
+    """A ``TransformerBridge`` around the Hugging Face model ``hf`` (made here, no hub) with ``tokenizer``
+    (e.g. :func:`tiny_word_tokenizer`), its boot notices silenced; ``compatibility_mode`` as ``load_model``
+    puts a bridge in it (the value biases folded into ``b_O``, the norms folded)."""
+    import contextlib
+    import io
+    import logging
+    import warnings
+
+    from transformer_lens.model_bridge import TransformerBridge
+
+    root = logging.getLogger()
+    level = root.level
+    root.setLevel(logging.ERROR)  # alias and center_unembed notices
+    try:
+        with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
+            warnings.simplefilter("ignore")
+            bridge = TransformerBridge.boot_transformers(
+                name, hf_model=hf, tokenizer=tokenizer, dtype=torch.float32
+            )
+            if compatibility_mode:
+                bridge.enable_compatibility_mode(disable_warnings=True)
+    finally:
+        root.setLevel(level)
     return bridge.eval()
 
 

@@ -15,14 +15,11 @@ attention weights so small that every pattern is nearly uniform): every bias the
 
 from __future__ import annotations
 
-import contextlib
-import io
-import logging
-import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from conftest import boot_hf_bridge, tiny_word_tokenizer
 
 D_MODEL, N_HEADS, D_HEAD, N_LAYERS, N_CTX, D_VOCAB, D_MLP = 32, 4, 8, 2, 32, 50, 64
 #: The sliding window of the local layers (keys ``i - WINDOW < j <= i``), short enough to matter at 12 tokens.
@@ -247,22 +244,8 @@ def _build_hooked(fam: Family, seed: int) -> Any:
 
 
 def _tokenizer() -> Any:
-    """A word-level tokenizer of ``t0`` ... ``t49`` made in memory (``t1`` BOS, ``t2`` EOS, ``t0`` padding)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    tk = Tokenizer(models.WordLevel(vocab={f"t{i}": i for i in range(D_VOCAB)}, unk_token="t3"))
-    tk.pre_tokenizer = pre_tokenizers.Whitespace()
-    # add_bos_token and name_or_path: TransformerLens 4 reloads a tokenizer from the hub unless it has both
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tk,
-        bos_token="t1",
-        eos_token="t2",
-        unk_token="t3",
-        pad_token="t0",
-        add_bos_token=True,
-        name_or_path="tiny-wordlevel",
-    )
+    """The tests' word-level tokenizer of ``t0`` ... ``t49`` (``t1`` BOS, ``t2`` EOS, ``t0`` padding)."""
+    return tiny_word_tokenizer(bos_token="t1", eos_token="t2", add_bos_token=True)
 
 
 def hf_config(family: str) -> Any:
@@ -311,7 +294,6 @@ def hf_config(family: str) -> Any:
 
 
 def _build_bridge(fam: Family, seed: int) -> Any:
-    from transformer_lens.model_bridge import TransformerBridge
     from transformers import AutoModelForCausalLM
 
     cfg = hf_config(fam.name)
@@ -321,20 +303,9 @@ def _build_bridge(fam: Family, seed: int) -> Any:
     hf.config.architectures = [type(hf).__name__]
     _redraw(hf, seed)
     hf.eval()
-    quiet = logging.getLogger()
-    level = quiet.level
-    quiet.setLevel(logging.ERROR)  # alias and center_unembed notices
     try:
-        with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
-            warnings.simplefilter("ignore")
-            bridge = TransformerBridge.boot_transformers(
-                f"tiny-{fam.name}", hf_model=hf, tokenizer=_tokenizer(), dtype=torch.float32
-            )
-            bridge.enable_compatibility_mode(disable_warnings=True)
+        return boot_hf_bridge(hf, _tokenizer(), f"tiny-{fam.name}")
     except Exception as exc:  # pragma: no cover - depends on the installed TransformerLens
         raise FamilyUnavailable(
             f"TransformerBridge.boot_transformers cannot wrap {type(hf).__name__}: {type(exc).__name__}: {exc}"
         ) from exc
-    finally:
-        quiet.setLevel(level)
-    return bridge.eval()
